@@ -1,0 +1,170 @@
+"""``rewriter.optimize``: the public entry point."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from rewriter.backends import Backend, get_backend
+from rewriter.gate import Clock, GateSettings
+from rewriter.job import Job
+from rewriter.pass_api import Pass, resolve_passes
+from rewriter.pipeline import Outcome, Settings, run_pipeline
+from rewriter.wrapper import OptimizedModel
+
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def optimize(
+    model: nn.Module,
+    example_inputs: tuple | list | dict | torch.Tensor | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+    passes: Sequence[str | Pass] | None = None,
+    exclude: Sequence[str] = (),
+    device: str | torch.device | Backend | None = None,
+    min_speedup: float = 1.03,
+    plan: str | dict | None = None,
+    front_end: str = "auto",
+    profile: bool = True,
+    progress: bool = True,
+    gate: GateSettings | None = None,
+    clock: Clock | None = None,
+) -> OptimizedModel | tuple[OptimizedModel, torch.optim.Optimizer]:
+    """Rewrite ``model`` and keep each rewrite only if it measures faster and matches numerically.
+
+    Examples::
+
+        fast = rewriter.optimize(model, example_inputs=(x,))                 # inference
+        fast, opt = rewriter.optimize(model, example_inputs=(x,), optimizer=opt,
+                                      loss_fn=lambda out: F.cross_entropy(out, y))  # training
+        fast = rewriter.optimize(model)        # optimizes at the first call, on its inputs
+        print(fast.report)
+
+    Args:
+        model: the ``nn.Module`` to optimize. It is never modified; the returned module shares
+            its tensors (``state_dict()`` keys are the original ones).
+        example_inputs: positional args (tuple/list, or one tensor) or keyword args (dict) of one
+            representative call. None: capture and decide at the first call.
+        optimizer: training mode; the gate measures forward + backward + ``optimizer.step()``.
+            Returned as is (second element of the result).
+        loss_fn: ``loss_fn(output) -> scalar``. Default in training: ``output.loss`` if present,
+            else a fixed random cotangent on the outputs.
+        dtype: ``torch.bfloat16``/``torch.float16`` allows precision-lowering (``reduced``)
+            passes and verifies with that dtype's tolerance; None keeps fp32 numerics.
+        passes: names of registered passes or Pass objects to try, in order (default: all).
+        exclude: names of passes not to try.
+        device: "cpu", "cuda", "npu" or a Backend; default: where the model's parameters are.
+        min_speedup: a rewrite must be at least this much faster (ratio) to be kept.
+        plan: a plan (path or dict, from ``report.save``) to replay without measuring.
+        front_end: "auto" (symbolic_trace when it captures the whole model, else Dynamo),
+            "fx" or "dynamo".
+        profile: profile the step before and after once, for the report's operator tables.
+        progress: log progress lines to stderr while measuring.
+        gate: measurement budget (warm-up, pair counts, seconds per comparison).
+        clock: replaces the wall clock (tests use a controlled one).
+
+    Returns:
+        The optimized model, or ``(model, optimizer)`` when an optimizer is given.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize() expects a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, OptimizedModel):
+        raise ValueError("this model was already returned by optimize(); pass model.original")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if dtype is not None and dtype not in _HALF_DTYPES:
+        raise ValueError(f"dtype must be None, torch.bfloat16 or torch.float16, got {dtype!r}")
+    if not (isinstance(min_speedup, (int, float)) and min_speedup >= 1.0):
+        raise ValueError(f"min_speedup must be a number >= 1.0, got {min_speedup!r}")
+    if front_end not in ("auto", "fx", "dynamo"):
+        raise ValueError(f"front_end must be 'auto', 'fx' or 'dynamo', got {front_end!r}")
+    chosen = resolve_passes(passes, tuple(exclude))
+    backend = get_backend(device if device is not None else _model_device(model))
+    if optimizer is not None:
+        _check_optimizer_params(model, optimizer)
+    settings = Settings(min_speedup=float(min_speedup), front_end=front_end,
+                        gate=gate or GateSettings(), clock=clock, profile=profile, plan=plan)
+
+    def run(args: tuple, kwargs: dict) -> Outcome:
+        _check_input_devices(model, args, kwargs)
+        training = optimizer is not None or loss_fn is not None or model.training
+        if training and not any(p.requires_grad for p in model.parameters()):
+            training = False  # nothing to train: the step is the forward pass
+        job = Job(model, args, kwargs, backend, training, optimizer, loss_fn, dtype)
+        with _progress_to_stderr(progress):
+            return run_pipeline(job, chosen, settings)
+
+    result = OptimizedModel(model, pending=run)
+    if example_inputs is not None:
+        args, kwargs = _split_inputs(example_inputs)
+        result._optimize_now(args, kwargs)
+    return (result, optimizer) if optimizer is not None else result
+
+
+def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    if isinstance(example_inputs, dict):
+        if not all(isinstance(k, str) for k in example_inputs):
+            raise TypeError("example_inputs as a dict must map argument names (str) to values")
+        return (), dict(example_inputs)
+    raise TypeError("example_inputs must be a tuple of positional args, a dict of keyword args, "
+                    f"or a tensor; got {type(example_inputs).__name__}")
+
+
+def _model_device(model: nn.Module) -> str:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device.type
+    return "cpu"
+
+
+def _check_input_devices(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    devices = {t.device for t in list(model.parameters()) + list(model.buffers())}
+    if len(devices) != 1:
+        return  # no tensors, or a model spread over devices: nothing to check against
+    (model_device,) = devices
+    leaves, _ = torch.utils._pytree.tree_flatten((args, kwargs))
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.device != model_device:
+            raise ValueError(f"example input {i} is on {leaf.device} but the model is on "
+                             f"{model_device}; move one of them")
+
+
+def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+    if foreign:
+        raise ValueError(f"the optimizer holds {foreign} tensor(s) that are not parameters of the "
+                         "model; build it from model.parameters()")
+
+
+class _progress_to_stderr:
+    """While optimizing, show the 'rewriter.progress' log lines on stderr (unless configured)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.logger = logging.getLogger("rewriter.progress")
+        self.handler: logging.Handler | None = None
+        self.enabled = enabled and not self.logger.handlers and not logging.getLogger().handlers
+
+    def __enter__(self) -> None:
+        if self.enabled:
+            self.handler = logging.StreamHandler(sys.stderr)
+            self.handler.setFormatter(logging.Formatter("%(message)s"))
+            self.logger.addHandler(self.handler)
+            self.old_level = self.logger.level
+            self.logger.setLevel(logging.INFO)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.handler is not None:
+            self.logger.removeHandler(self.handler)
+            self.logger.setLevel(self.old_level)

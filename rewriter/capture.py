@@ -1,0 +1,169 @@
+"""Capture a model as fx graphs, with two front-ends behind one interface.
+
+* ``fx``: ``torch.fx.symbolic_trace`` for models that trace whole. One GraphModule with readable
+  code that the offline script can write out. Chosen when tracing succeeds and no module has
+  hooks (a traced graph would silently drop them).
+* ``dynamo``: ``torch.compile(model, backend=<ours>)``. Dynamo hands each captured graph to our
+  backend; graph breaks are fine, Python control flow stays in Python. transformers v5 models
+  need this: they no longer trace with ``symbolic_trace``.
+
+Each captured graph lives in a :class:`GraphSlot` that holds the kept version and, while the
+gate is deciding, a candidate. One :class:`Switch` per capture flips every slot between the two,
+so the gate measures the *whole* step with and without a rewrite and nothing recompiles.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.fx import GraphModule
+
+from rewriter.errors import CaptureError
+from rewriter.ir import annotate_tensor_info, copy_graph_module, functionalize_leaf_modules
+from rewriter.pass_api import Pass, PassContext, Site
+from rewriter.verify import dropout_disabled
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Switch:
+    """Which variant every slot of one capture runs."""
+
+    use_candidate: bool = False
+    deterministic: bool = False  # dropout off, for the numerics check
+
+
+class GraphSlot:
+    """One captured graph: the original, the kept rewrite of it, and a candidate under test."""
+
+    def __init__(self, gm: GraphModule, switch: Switch, name: str) -> None:
+        self.original = gm
+        self.kept = gm
+        self.candidate: GraphModule | None = None
+        self.switch = switch
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        gm = self.candidate if self.switch.use_candidate and self.candidate is not None else self.kept
+        if self.switch.deterministic:
+            with dropout_disabled():
+                return gm(*args, **kwargs)
+        return gm(*args, **kwargs)
+
+    def try_pass(self, p: Pass, ctx: PassContext) -> list[Site]:
+        """Build a candidate with ``p`` applied to the kept graph; return the sites it rewrote."""
+        gm = copy_graph_module(self.kept)
+        sites = p.find(gm, ctx)
+        if sites:
+            p.apply(gm, sites, ctx)
+            gm.graph.lint()
+            gm.recompile()
+            self.candidate = gm
+        else:
+            self.candidate = None
+        return sites
+
+    def accept(self) -> None:
+        if self.candidate is not None:
+            self.kept = self.candidate
+        self.candidate = None
+
+    def reject(self) -> None:
+        self.candidate = None
+
+
+class Capture:
+    """A captured model: call it like the model; its slots are what passes rewrite."""
+
+    front_end: str = ""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        self.switch = Switch()
+        self.slots: list[GraphSlot] = []
+        self.left_as_modules: list[str] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def graph_code(self) -> dict[str, str]:
+        """Python code of each kept graph, by slot name."""
+        return {s.name: s.kept.code for s in self.slots}
+
+
+class FxCapture(Capture):
+    """A whole-model ``symbolic_trace``: one slot, one GraphModule sharing the model's tensors."""
+
+    front_end = "fx"
+
+    def __init__(self, model: nn.Module, args: tuple, kwargs: dict, reason: str) -> None:
+        super().__init__(reason)
+        traced = torch.fx.symbolic_trace(model)
+        gm = GraphModule(model, traced.graph, class_name=f"{type(model).__name__}Graph")
+        self.left_as_modules = functionalize_leaf_modules(gm)
+        gm = GraphModule(model, gm.graph, class_name=f"{type(model).__name__}Graph")
+        with torch.no_grad():
+            annotate_tensor_info(gm, args, kwargs)
+        self.training = model.training
+        self.slots.append(GraphSlot(gm, self.switch, "graph_0"))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.slots[0](*args, **kwargs)
+
+
+class DynamoCapture(Capture):
+    """``torch.compile`` with our backend; a slot per graph Dynamo hands over.
+
+    Graphs compiled after ``optimize()`` has decided (a new input shape, train/eval switched)
+    get the kept passes applied without measuring, through ``on_new_graph``.
+    """
+
+    front_end = "dynamo"
+
+    def __init__(self, model: nn.Module, reason: str) -> None:
+        super().__init__(reason)
+        self.on_new_graph: Callable[[GraphSlot], None] | None = None
+        self.compiled = torch.compile(model, backend=self._backend, dynamic=None)
+
+    def _backend(self, gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        self.left_as_modules += functionalize_leaf_modules(gm)
+        slot = GraphSlot(gm, self.switch, f"graph_{len(self.slots)}")
+        self.slots.append(slot)
+        log.debug("dynamo handed over %s with %d nodes", slot.name, len(gm.graph.nodes))
+        if self.on_new_graph is not None:
+            self.on_new_graph(slot)
+        return slot
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled(*args, **kwargs)
+
+
+def _hooked_modules(model: nn.Module) -> list[str]:
+    hooked = []
+    for name, m in model.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks or getattr(m, "_backward_hooks", None):
+            hooked.append(name or "<root>")
+    return hooked
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict, front_end: str = "auto") -> Capture:
+    """Capture ``model`` with the front-end asked for, or the best one that works ("auto")."""
+    if front_end not in ("auto", "fx", "dynamo"):
+        raise ValueError(f"front_end must be 'auto', 'fx' or 'dynamo', got {front_end!r}")
+    if front_end == "dynamo":
+        return DynamoCapture(model, "asked for (front_end='dynamo')")
+    hooked = _hooked_modules(model)
+    if hooked and front_end == "auto":
+        return DynamoCapture(model, f"modules with hooks ({', '.join(hooked[:3])}); "
+                                    "symbolic_trace would drop them")
+    try:
+        return FxCapture(model, args, kwargs, "symbolic_trace captured the whole model")
+    except Exception as e:  # symbolic_trace fails in many ways on real models
+        if front_end == "fx":
+            raise CaptureError(f"torch.fx.symbolic_trace failed on {type(model).__name__}: {e}") from e
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return DynamoCapture(model, f"symbolic_trace failed ({type(e).__name__}: {first_line[:160]})")

@@ -1,0 +1,287 @@
+"""The normalised graph IR that every pass sees, and helpers to read it.
+
+Both capture front-ends hand passes a ``torch.fx.GraphModule`` whose compute is written as
+functional torch calls: ``torch.fx.symbolic_trace`` graphs have their ``torch.nn`` leaf modules
+rewritten into ``F.*`` calls by :func:`functionalize_leaf_modules`, and Dynamo graphs already
+are functional (parameters arrive as placeholders). The remaining spelling differences
+(``x @ w`` vs ``torch.matmul``, ``x.transpose`` vs ``torch.transpose``) are absorbed by
+:func:`op_name`, so one pattern serves both front-ends::
+
+    >>> op_name(node)            # 'matmul' for operator.matmul, torch.matmul, Tensor.matmul
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx import Graph, GraphModule, Node
+
+log = logging.getLogger(__name__)
+
+# Canonical op name -> call_function targets spelling it. Methods are matched by name below.
+_FUNCTION_ALIASES: dict[str, tuple[Any, ...]] = {
+    "matmul": (torch.matmul, operator.matmul),
+    "bmm": (torch.bmm,),
+    "addmm": (torch.addmm,),
+    "linear": (F.linear,),
+    "add": (operator.add, torch.add),
+    "sub": (operator.sub, torch.sub),
+    "mul": (operator.mul, torch.mul),
+    "div": (operator.truediv, torch.div),
+    "neg": (operator.neg, torch.neg),
+    "transpose": (torch.transpose,),
+    "permute": (torch.permute,),
+    "t": (torch.t,),
+    "softmax": (F.softmax, torch.softmax),
+    "dropout": (F.dropout, torch.dropout),
+    "masked_fill": (torch.masked_fill,),
+    "where": (torch.where,),
+    "full": (torch.full,),
+    "tensor": (torch.tensor,),
+    "scaled_dot_product_attention": (F.scaled_dot_product_attention,),
+}
+_TARGET_TO_NAME = {t: name for name, targets in _FUNCTION_ALIASES.items() for t in targets}
+# Tensor methods whose name differs from the canonical op name.
+_METHOD_ALIASES = {"__matmul__": "matmul", "div_": None, "truediv": "div"}
+
+
+def op_name(node: Node) -> str | None:
+    """Canonical name of what ``node`` computes, or None for placeholders, outputs and unknowns."""
+    if node.op == "call_function":
+        if node.target is getattr and len(node.args) == 2 and node.args[1] in ("T", "mT"):
+            return "t" if node.args[1] == "T" else "mT"
+        try:
+            return _TARGET_TO_NAME.get(node.target)
+        except TypeError:  # unhashable target
+            return None
+    if node.op == "call_method":
+        return _METHOD_ALIASES.get(node.target, node.target)
+    return None
+
+
+def is_op(node: Any, *names: str) -> bool:
+    return isinstance(node, Node) and op_name(node) in names
+
+
+def arg(node: Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of ``node``, given positionally at ``index`` or as a keyword."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Static facts about a tensor a node produced on the example inputs."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    stride: tuple[int, ...]
+    requires_grad: bool
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorInfo":
+        return cls(tuple(t.shape), t.dtype, t.device, tuple(t.stride()), t.requires_grad)
+
+
+def tensor_info(node: Any) -> TensorInfo | None:
+    """What ``node`` produced on the example inputs, when known and when it is a tensor.
+
+    Dynamo graphs carry a FakeTensor in ``meta['example_value']``; fx captures are annotated by
+    :func:`annotate_tensor_info`; nodes made by passes copy the info of the node they replace.
+    """
+    if not isinstance(node, Node):
+        return None
+    info = node.meta.get("tensor_info")
+    if isinstance(info, TensorInfo):
+        return info
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if isinstance(value, torch.Tensor):
+        try:
+            return TensorInfo.of(value)
+        except Exception:  # symbolic shapes (dynamic=True recompiles): facts unknown
+            return None
+    return None
+
+
+class _InfoRecorder(torch.fx.Interpreter):
+    def run_node(self, n: Node) -> Any:
+        result = super().run_node(n)
+        if isinstance(result, torch.Tensor):
+            n.meta["tensor_info"] = TensorInfo.of(result)
+        elif isinstance(result, (int, float)) and not isinstance(result, bool):
+            n.meta["host_scalar"] = result  # e.g. 1/sqrt(head_dim) computed from shapes
+        return result
+
+
+def annotate_tensor_info(gm: GraphModule, args: tuple, kwargs: dict) -> None:
+    """Run ``gm`` once on real inputs and record each node's :class:`TensorInfo`."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    flat = list(args)
+    for n in placeholders[len(args):]:
+        flat.append(kwargs[n.target] if n.target in kwargs else (n.args[0] if n.args else None))
+    _InfoRecorder(gm).run(*flat)
+
+
+def users_are_only(node: Node, allowed: Iterable[Node]) -> bool:
+    """True when every user of ``node`` is in ``allowed`` (safe to delete along with them)."""
+    allowed = set(allowed)
+    return all(u in allowed for u in node.users)
+
+
+def erase_if_unused(graph: Graph, nodes: Iterable[Node]) -> None:
+    """Erase ``nodes`` (given producer-first) that no longer have users, consumers first."""
+    for n in reversed(list(nodes)):
+        if n.graph is graph and not n.users:
+            graph.erase_node(n)
+
+
+def copy_graph_module(gm: GraphModule) -> GraphModule:
+    """A new GraphModule with a copied graph and the same (shared) parameters and submodules."""
+    graph = Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    new = GraphModule(gm, graph, class_name=type(gm).__name__)
+    new.meta = dict(getattr(gm, "meta", {}))
+    return new
+
+
+def mark_new_node(node: Node, pass_name: str, like: Node | None = None) -> Node:
+    """Record which pass made ``node`` and copy tensor facts from the node it replaces."""
+    node.meta["rewriter_pass"] = pass_name
+    if like is not None:
+        for key in ("tensor_info", "example_value", "val"):
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
+    return node
+
+
+def structure_signature(gm: GraphModule) -> list[str]:
+    """The op sequence of ``gm`` (names only), for plan fingerprints and reports."""
+    sig = []
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method", "call_module"):
+            name = op_name(n) or (n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target)))
+            sig.append(f"{n.op}:{name}")
+    return sig
+
+
+# --- fx front-end: torch.nn leaf modules -> functional calls -----------------------------------
+
+def _linear(g: Graph, m: nn.Linear, x: Node, attr: Callable[[str], Node]) -> Node:
+    bias = attr("bias") if m.bias is not None else None
+    return g.call_function(F.linear, (x, attr("weight"), bias))
+
+
+def _conv(fn: Callable) -> Callable:
+    def emit(g: Graph, m: nn.Module, x: Node, attr: Callable[[str], Node]) -> Node | None:
+        if m.padding_mode != "zeros":
+            return None
+        bias = attr("bias") if m.bias is not None else None
+        return g.call_function(fn, (x, attr("weight"), bias, m.stride, m.padding, m.dilation, m.groups))
+    return emit
+
+
+def _layer_norm(g: Graph, m: nn.LayerNorm, x: Node, attr: Callable[[str], Node]) -> Node:
+    w = attr("weight") if m.weight is not None else None
+    b = attr("bias") if getattr(m, "bias", None) is not None else None
+    return g.call_function(F.layer_norm, (x, tuple(m.normalized_shape), w, b, m.eps))
+
+
+def _embedding(g: Graph, m: nn.Embedding, x: Node, attr: Callable[[str], Node]) -> Node | None:
+    if m.max_norm is not None:  # renormalises the weight in place: leave it to the module
+        return None
+    return g.call_function(F.embedding, (x, attr("weight"), m.padding_idx, None, m.norm_type,
+                                         m.scale_grad_by_freq, m.sparse))
+
+
+def _dropout(g: Graph, m: nn.Dropout, x: Node, attr: Callable[[str], Node]) -> Node:
+    # The training flag is baked in: a capture serves one mode (the wrapper recaptures on change).
+    return g.call_function(F.dropout, (x, m.p, m.training, m.inplace))
+
+
+def _batch_norm(g: Graph, m: nn.modules.batchnorm._BatchNorm, x: Node,
+                attr: Callable[[str], Node]) -> Node | None:
+    if not m.track_running_stats or m.running_mean is None:
+        return None
+    w = attr("weight") if m.affine else None
+    b = attr("bias") if m.affine else None
+    if not m.training:
+        return g.call_function(F.batch_norm, (x, attr("running_mean"), attr("running_var"), w, b,
+                                              False, 0.0, m.eps))
+    if m.momentum is None:  # cumulative average reads num_batches_tracked on the host
+        return None
+    g.call_method("add_", (attr("num_batches_tracked"), 1))
+    return g.call_function(F.batch_norm, (x, attr("running_mean"), attr("running_var"), w, b,
+                                          True, m.momentum, m.eps))
+
+
+def _simple(fn: Callable, *fields: str) -> Callable:
+    def emit(g: Graph, m: nn.Module, x: Node, attr: Callable[[str], Node]) -> Node:
+        return g.call_function(fn, (x, *(getattr(m, f) for f in fields)))
+    return emit
+
+
+_LEAF_EMITTERS: dict[type, Callable] = {
+    nn.Linear: _linear,
+    nn.Conv1d: _conv(F.conv1d), nn.Conv2d: _conv(F.conv2d), nn.Conv3d: _conv(F.conv3d),
+    nn.LayerNorm: _layer_norm,
+    nn.Embedding: _embedding,
+    nn.Dropout: _dropout,
+    nn.BatchNorm1d: _batch_norm, nn.BatchNorm2d: _batch_norm, nn.BatchNorm3d: _batch_norm,
+    nn.ReLU: lambda g, m, x, a: g.call_function(F.relu, (x,)),
+    nn.GELU: lambda g, m, x, a: g.call_function(F.gelu, (x,), {"approximate": m.approximate}),
+    nn.SiLU: lambda g, m, x, a: g.call_function(F.silu, (x,)),
+    nn.Tanh: lambda g, m, x, a: g.call_function(torch.tanh, (x,)),
+    nn.Sigmoid: lambda g, m, x, a: g.call_function(torch.sigmoid, (x,)),
+    nn.Softmax: lambda g, m, x, a: g.call_function(F.softmax, (x,), {"dim": m.dim}),
+    nn.Flatten: _simple(torch.flatten, "start_dim", "end_dim"),
+}
+
+
+def functionalize_leaf_modules(gm: GraphModule) -> list[str]:
+    """Rewrite ``call_module`` nodes of ``torch.nn`` leaves into functional calls, in place.
+
+    Returns the qualified names of modules left as ``call_module`` (no functional form, or a
+    configuration whose functional form would differ), for the report.
+    """
+    graph = gm.graph
+    left: list[str] = []
+    for node in list(graph.nodes):
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if type(module) is nn.Identity:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            continue
+        emitter = _LEAF_EMITTERS.get(type(module))
+        if emitter is None or len(node.args) != 1 or node.kwargs:
+            left.append(node.target)
+            continue
+        with graph.inserting_before(node):
+            def attr(name: str, _target: str = node.target) -> Node:
+                return graph.get_attr(f"{_target}.{name}")
+            new = emitter(graph, module, node.args[0], attr)
+        if new is None:
+            left.append(node.target)
+            continue
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    # get_attr nodes made above may be dead (e.g. an emitter that declined after asking).
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    gm.recompile()
+    return left

@@ -1,0 +1,129 @@
+"""The user's step, as the gate runs it: forward (inference) or forward + backward + optimizer
+step (training), on fixed example inputs, plus the numerics run that verification compares.
+
+Without a ``loss_fn``, the training loss is the output's ``loss`` (transformers models given
+labels) when it has one, else ``sum(output * c)`` over the outputs that require grad, with a
+fixed random cotangent ``c`` (the same for every variant, so gradients compare).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from rewriter.backends import Backend
+from rewriter.verify import dropout_disabled, flatten_output
+
+VERIFY_SEED = 20260529  # any fixed seed: the reference and the candidate must draw alike
+
+
+@dataclass
+class Job:
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    backend: Backend
+    training: bool
+    optimizer: torch.optim.Optimizer | None = None
+    loss_fn: Callable[[Any], torch.Tensor] | None = None
+    dtype: torch.dtype | None = None
+    _cotangents: dict = field(default_factory=dict)
+
+    @property
+    def mode(self) -> str:
+        return "training" if self.training else "inference"
+
+    def grad_params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def zero_grads(self) -> None:
+        for _, p in self.model.named_parameters():
+            p.grad = None
+
+    # --- loss ------------------------------------------------------------------------------
+    def loss(self, output: Any) -> torch.Tensor:
+        if self.loss_fn is not None:
+            loss = self.loss_fn(output)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+            return loss.reshape(())
+        builtin = _builtin_loss(output)
+        if builtin is not None:
+            return builtin
+        terms = []
+        for path, t in flatten_output(output):
+            if t.requires_grad and t.is_floating_point():
+                c = self._cotangent(path, t)
+                terms.append((t * c).sum())
+        if not terms:
+            raise ValueError("training mode, but no output of the model requires grad; pass "
+                             "loss_fn=, or call model.eval() to optimize for inference")
+        return torch.stack(terms).sum()
+
+    def _cotangent(self, path: str, t: torch.Tensor) -> torch.Tensor:
+        key = (path, tuple(t.shape), t.dtype)
+        if key not in self._cotangents:
+            gen = torch.Generator().manual_seed(len(self._cotangents))
+            self._cotangents[key] = torch.randn(t.shape, generator=gen).to(t.device, t.dtype)
+        return self._cotangents[key]
+
+    # --- steps -----------------------------------------------------------------------------
+    def step(self, run: Callable[..., Any]) -> Callable[[], None]:
+        """One step of the user's job with ``run`` standing in for the model."""
+        if not self.training:
+            def infer() -> None:
+                with torch.no_grad():
+                    run(*self.args, **self.kwargs)
+            return infer
+
+        def train() -> None:
+            with torch.enable_grad():
+                self.loss(run(*self.args, **self.kwargs)).backward()
+            if self.optimizer is not None:
+                self.optimizer.step()
+            self.zero_grads()
+        return train
+
+    def numerics(self, run: Callable[..., Any], deterministic: Any = None) -> dict[str, torch.Tensor]:
+        """Outputs (and, training, parameter gradients) of one seeded run, by name.
+
+        ``deterministic`` is the context that turns dropout off for this run; the default
+        (:class:`dropout_disabled`) suits an eager model, a capture passes its own switch.
+        """
+        self.zero_grads()
+        torch.manual_seed(VERIFY_SEED)
+        ctx = deterministic if deterministic is not None else dropout_disabled()
+        grad_mode = torch.enable_grad() if self.training else torch.no_grad()
+        with ctx, grad_mode:
+            out = run(*self.args, **self.kwargs)
+            result = {f"output {path}": t.detach().clone() for path, t in flatten_output(out)}
+            if self.training:
+                self.loss(out).backward()
+                result.update({f"grad {n}": p.grad.detach().clone()
+                               for n, p in self.grad_params() if p.grad is not None})
+        self.zero_grads()
+        return result
+
+
+def _builtin_loss(output: Any) -> torch.Tensor | None:
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
+        return loss.reshape(())
+    return None
+
+
+@contextlib.contextmanager
+def switched(switch: Any, **flags: bool):
+    """Set attributes of a capture's Switch for the body, then put them back."""
+    old = {k: getattr(switch, k) for k in flags}
+    for k, v in flags.items():
+        setattr(switch, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(switch, k, v)

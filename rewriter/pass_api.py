@@ -1,0 +1,114 @@
+"""What a rewrite pass is, and the registry that names them.
+
+A pass finds sites in one captured graph and rewrites them; it never measures (the gate does)::
+
+    class FuseThing(Pass):
+        name = "fuse_thing"
+        contract = "exact"                      # or "reduced": only with optimize(dtype=...)
+        devices = frozenset({"cpu", "cuda", "npu"})
+
+        def find(self, gm, ctx):                # cheap safety checks only
+            return [Site(node, "thing at " + node.name) for node in ... if can_fuse(node)]
+
+        def apply(self, gm, sites, ctx):        # mutate gm.graph; ctx.backend emits the fused op
+            ...
+
+    register_pass(FuseThing())
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+from torch.fx import GraphModule
+
+if TYPE_CHECKING:
+    from rewriter.backends import Backend
+
+Contract = Literal["exact", "reduced"]
+
+
+@dataclass
+class Site:
+    """One place in a graph where a pass applies. ``match`` is the pass's own record of it."""
+
+    anchor: Any  # the fx Node the rewrite replaces (its output keeps the same users)
+    description: str
+    match: Any = None
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What a pass may know about the job: the device backend, the mode, the dtype opt-in."""
+
+    backend: "Backend"
+    training: bool
+    dtype: torch.dtype | None = None
+
+
+class Pass:
+    """Base class of rewrite passes; subclasses set the class attributes and two methods."""
+
+    name: ClassVar[str] = ""
+    contract: ClassVar[Contract] = "exact"
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda", "npu"})
+    version: ClassVar[int] = 1
+
+    def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
+        raise NotImplementedError(f"{type(self).__name__}.find")
+
+    def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.apply")
+
+    def applies_to(self, ctx: PassContext) -> str | None:
+        """None when this pass may run in ``ctx``, else the reason it may not."""
+        if ctx.backend.name not in self.devices:
+            return f"serves {', '.join(sorted(self.devices))}, not {ctx.backend.name}"
+        if self.contract == "reduced" and ctx.dtype is None:
+            return "lowers precision; enabled only with optimize(dtype=...)"
+        return None
+
+    def __repr__(self) -> str:
+        return f"<pass {self.name} v{self.version} ({self.contract})>"
+
+
+_REGISTRY: dict[str, Pass] = {}
+
+
+def register_pass(p: Pass) -> Pass:
+    """Add ``p`` to the passes ``optimize()`` runs by default, in registration order."""
+    if not isinstance(p, Pass) or not p.name:
+        raise TypeError(f"register_pass expects a Pass instance with a name, got {p!r}")
+    _REGISTRY[p.name] = p
+    return p
+
+
+def registered_passes() -> dict[str, Pass]:
+    """Name -> pass, in the fixed order optimize() tries them."""
+    import passes  # noqa: F401  (registers the built-in passes on first use)
+    return dict(_REGISTRY)
+
+
+def resolve_passes(selection: Any, exclude: tuple[str, ...] | list[str] = ()) -> list[Pass]:
+    """Turn ``optimize(passes=..., exclude=...)`` into pass objects, naming any unknown name."""
+    known = registered_passes()
+    for name in exclude:
+        if name not in known:
+            raise ValueError(f"exclude names unknown pass {name!r}; known passes: {sorted(known)}")
+    if selection is None:
+        chosen = list(known.values())
+    else:
+        if isinstance(selection, (str, Pass)):
+            selection = [selection]
+        chosen = []
+        for item in selection:
+            if isinstance(item, Pass):
+                chosen.append(item)
+            elif isinstance(item, str):
+                if item not in known:
+                    raise ValueError(f"unknown pass {item!r}; known passes: {sorted(known)}")
+                chosen.append(known[item])
+            else:
+                raise TypeError(f"passes must be names or Pass objects, got {type(item).__name__}")
+    return [p for p in chosen if p.name not in set(exclude)]

@@ -1,0 +1,284 @@
+"""The optimize loop: capture, then for each pass apply ▶ verify ▶ measure ▶ keep|revert.
+
+A plain loop over passes in a fixed order, greedy: each candidate is measured against the
+current kept state. At the end the whole optimized model is measured once more against the
+original; if it is not faster, the original model is what runs. Everything happens inside
+:func:`rewriter.state.preserved_state`, so the user's model, optimizer and RNG come out as
+they went in, also when a pass raises or the user interrupts.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from rewriter import plan as plans
+from rewriter.capture import Capture, DynamoCapture, GraphSlot, capture
+from rewriter.errors import CaptureError, PlanError
+from rewriter.gate import Clock, GateSettings, Step, WallClock, decide, measure
+from rewriter.ir import structure_signature
+from rewriter.job import Job, switched
+from rewriter.pass_api import Pass, PassContext, registered_passes
+from rewriter.profiling import profile_step
+from rewriter.report import Decision, Report
+from rewriter.state import preserved_state
+from rewriter.verify import compare_runs, dropout_disabled, tolerance_for
+
+log = logging.getLogger("rewriter.progress")
+
+
+@dataclass
+class Settings:
+    """How optimize() measures and decides (the keyword options of optimize())."""
+
+    min_speedup: float = 1.03
+    front_end: str = "auto"
+    gate: GateSettings = field(default_factory=GateSettings)
+    clock: Clock | None = None
+    profile: bool = True
+    plan: Any = None
+
+
+@dataclass
+class Outcome:
+    """What the wrapper needs after the loop: how to run the optimized model, and the report."""
+
+    report: Report
+    capture: Capture | None
+    kept: list[Pass]
+    use_original: bool
+    context: PassContext
+
+
+def run_pipeline(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
+    started = time.perf_counter()
+    report = Report(model=type(job.model).__name__, device=job.backend.name, mode=job.mode,
+                    dtype=str(job.dtype).replace("torch.", "") if job.dtype else None)
+    clock = settings.clock or WallClock(job.backend.synchronize)
+    ctx = PassContext(job.backend, job.training, job.dtype)
+    kept: list[Pass] = []
+    cap: Capture | None = None
+    with preserved_state(job.model, job.optimizer, job.backend.rng_states()) as snapshot:
+        reference = _reference_numerics(job)
+        snapshot.restore()
+        try:
+            cap = _checked_capture(job, settings.front_end, reference, report)
+        except CaptureError as e:
+            report.front_end_reason = str(e)
+            report.final = {"kept": False, "reason": f"capture failed: {e}"}
+            log.warning("rewriter: %s; the original model will run", e)
+            report.optimize_seconds = time.perf_counter() - started
+            return Outcome(report, None, [], True, ctx)
+        snapshot.restore()
+        if isinstance(cap, DynamoCapture):
+            cap.on_new_graph = lambda slot: replay_on_slot(slot, kept, ctx)
+        fingerprint = _fingerprint(job, cap, passes)
+        plan = _plan_to_replay(settings.plan, fingerprint, report)
+        if plan is not None:
+            kept = _replay(plan, cap, job, ctx, reference, report)
+        else:
+            for i, p in enumerate(passes, 1):
+                decision = _try_pass(p, cap, job, ctx, reference, kept, clock, settings)
+                snapshot.restore()
+                report.decisions.append(decision)
+                log.info("rewriter: [%d/%d] %s: %s: %s", i, len(passes), p.name, decision.status,
+                         decision.reason)
+                if decision.kept:
+                    kept.append(p)
+        use_original = not kept
+        if kept and plan is None:
+            use_original = not _final_check(job, cap, kept, clock, settings, report)
+            snapshot.restore()
+        elif not kept:
+            report.final = {"kept": False, "reason": "no rewrite was kept"}
+        else:
+            report.final = {"kept": True, "reason": "replayed plan (not measured)"}
+        if settings.profile:
+            _profile(job, cap, report, use_original)
+            snapshot.restore()
+        report.graphs = len(cap.slots)
+        report.plan = plans.make_plan(fingerprint, [p.name for p in kept],
+                                      [d.to_dict() for d in report.decisions])
+    report.optimize_seconds = time.perf_counter() - started
+    log.info("rewriter: done in %.1f s: %s", report.optimize_seconds, report.final.get("reason", ""))
+    return Outcome(report, cap, kept, use_original, ctx)
+
+
+def _reference_numerics(job: Job) -> dict[str, torch.Tensor]:
+    try:
+        return job.numerics(job.model)
+    except Exception as e:
+        raise ValueError(f"the model cannot run on the example inputs "
+                         f"({type(e).__name__}: {e})") from e
+
+
+def _checked_capture(job: Job, front_end: str, reference: dict, report: Report) -> Capture:
+    """Capture, and check the captured model computes what the model does (else fall back)."""
+    log.info("rewriter: capturing %s (%s step)", type(job.model).__name__, job.mode)
+    cap = capture(job.model, job.args, job.kwargs, front_end)
+    problem = _capture_mismatch(job, cap, reference)
+    if problem and cap.front_end == "fx" and front_end == "auto":
+        cap = DynamoCapture(job.model, f"symbolic_trace graph differs from the model ({problem})")
+        problem = _capture_mismatch(job, cap, reference)
+    if problem:
+        raise CaptureError(f"{cap.front_end} capture differs from the model: {problem}")
+    if not cap.slots:
+        raise CaptureError("Dynamo handed over no graph (torch._dynamo's recompile limit reached, "
+                           "or nothing in forward is capturable)")
+    report.front_end, report.front_end_reason = cap.front_end, cap.reason
+    report.left_as_modules = sorted(set(cap.left_as_modules))
+    log.info("rewriter: front-end %s (%s), %d graph(s)", cap.front_end, cap.reason, len(cap.slots))
+    return cap
+
+
+def _capture_mismatch(job: Job, cap: Capture, reference: dict) -> str:
+    try:
+        with switched(cap.switch, deterministic=True):
+            got = job.numerics(cap, deterministic=contextlib.nullcontext())
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    c = compare_runs(got, reference, tolerance_for(torch.float32))
+    return "" if c.ok else c.problem
+
+
+def _verify_candidate(job: Job, cap: Capture, reference: dict) -> tuple[bool, str, float | None]:
+    try:
+        with switched(cap.switch, use_candidate=True, deterministic=True):
+            got = job.numerics(cap, deterministic=contextlib.nullcontext())
+    except Exception as e:
+        return False, f"candidate raised when run: {type(e).__name__}: {e}", None
+    c = compare_runs(got, reference, tolerance_for(job.dtype))
+    return c.ok, c.describe(), c.max_abs_error
+
+
+def _try_pass(p: Pass, cap: Capture, job: Job, ctx: PassContext, reference: dict,
+              kept: list[Pass], clock: Clock, settings: Settings) -> Decision:
+    why_not = p.applies_to(ctx)
+    if why_not:
+        return Decision(p.name, False, "not applicable", why_not)
+    try:
+        sites = [s.description for slot in cap.slots for s in slot.try_pass(p, ctx)]
+    except Exception as e:
+        _reject_all(cap)
+        return Decision(p.name, False, "raised", f"{type(e).__name__}: {e}")
+    if not sites:
+        _reject_all(cap)
+        return Decision(p.name, False, "no sites", "no site matched")
+    log.info("rewriter: %s: %d site(s); verifying and measuring", p.name, len(sites))
+    ok, detail, err = _verify_candidate(job, cap, reference)
+    if not ok:
+        _reject_all(cap)
+        return Decision(p.name, False, "failed verification", detail, max_abs_error=err, sites=sites)
+    base = tuple(k.name for k in kept)
+    m = measure(_variant_step(job, cap, False, base, "kept"),
+                _variant_step(job, cap, True, base + (p.name,), "candidate"),
+                clock=clock, settings=settings.gate, min_speedup=settings.min_speedup)
+    keep, reason = decide(m, settings.min_speedup, settings.gate.noise_widths)
+    for slot in cap.slots:
+        slot.accept() if keep else slot.reject()
+    return Decision(p.name, keep, "kept" if keep else "rejected", reason, speedup=m.speedup,
+                    noise=m.noise, max_abs_error=err, sites=sites, measurement=m.to_dict())
+
+
+def _variant_step(job: Job, cap: Capture, candidate: bool, passes: tuple[str, ...], label: str) -> Step:
+    inner = job.step(cap)
+
+    def run() -> None:
+        with switched(cap.switch, use_candidate=candidate):
+            inner()
+    return Step(run, passes, label)
+
+
+def _reject_all(cap: Capture) -> None:
+    for slot in cap.slots:
+        slot.reject()
+
+
+def _final_check(job: Job, cap: Capture, kept: list[Pass], clock: Clock, settings: Settings,
+                 report: Report) -> bool:
+    """Measure original vs optimized once more: pairwise gains need not add up."""
+    names = tuple(p.name for p in kept)
+    m = measure(Step(job.step(job.model), (), "original"),
+                _variant_step(job, cap, False, names, "optimized"),
+                clock=clock, settings=settings.gate, min_speedup=1.0)
+    keep, reason = decide(m, 1.0, settings.gate.noise_widths)
+    report.final = {"kept": keep, "speedup": m.speedup, "noise": m.noise, "reason": reason,
+                    "measurement": m.to_dict()}
+    log.info("rewriter: whole model vs original: %s", reason)
+    return keep
+
+
+def _profile(job: Job, cap: Capture, report: Report, use_original: bool) -> None:
+    activities = job.backend.profiler_activities()
+    try:
+        report.top_ops_before = profile_step(job.step(job.model), activities)
+        if not use_original:
+            report.top_ops_after = profile_step(job.step(cap), activities)
+    except Exception as e:  # a profiler problem must not cost the user the optimization
+        report.notes.append(f"profiling failed: {type(e).__name__}: {e}")
+
+
+def replay_on_slot(slot: GraphSlot, kept: list[Pass], ctx: PassContext) -> None:
+    """Apply kept passes to a graph captured after deciding (new shapes, mode), unmeasured."""
+    for p in kept:
+        try:
+            if slot.try_pass(p, ctx):
+                slot.accept()
+        except Exception as e:
+            slot.reject()
+            log.warning("rewriter: %s could not be replayed on %s (%s); left unrewritten",
+                        p.name, slot.name, e)
+
+
+# --- plans ---------------------------------------------------------------------------------
+
+def _fingerprint(job: Job, cap: Capture, passes: list[Pass]) -> dict:
+    return {"device": job.backend.name, "versions": job.backend.versions(), "mode": job.mode,
+            "dtype": str(job.dtype) if job.dtype else None,
+            "inputs": plans.input_signature(job.args, job.kwargs), "front_end": cap.front_end,
+            "graphs": plans.graph_hash(structure_signature(s.original) for s in cap.slots),
+            "pass_versions": {p.name: p.version for p in passes}}
+
+
+def _plan_to_replay(source: Any, fingerprint: dict, report: Report) -> dict | None:
+    if source is None:
+        return None
+    plan = plans.load_plan(source)
+    expected = dict(plan["fingerprint"])
+    actual = dict(fingerprint)
+    # Only the versions of the passes the plan keeps matter.
+    kept = plan["kept_passes"]
+    expected["pass_versions"] = {k: expected.get("pass_versions", {}).get(k) for k in kept}
+    actual["pass_versions"] = {k: actual["pass_versions"].get(k) for k in kept}
+    mismatch = plans.fingerprint_mismatch(expected, actual)
+    if mismatch:
+        report.plan_status = "not applied, fingerprint differs (" + "; ".join(mismatch) + "); measured instead"
+        log.warning("rewriter: plan not applied: %s", "; ".join(mismatch))
+        return None
+    return plan
+
+
+def _replay(plan: dict, cap: Capture, job: Job, ctx: PassContext, reference: dict,
+            report: Report) -> list[Pass]:
+    known = registered_passes()
+    unknown = [n for n in plan["kept_passes"] if n not in known]
+    if unknown:
+        raise PlanError(f"plan keeps passes this installation does not have: {unknown}")
+    kept: list[Pass] = []
+    for name in plan["kept_passes"]:
+        p = known[name]
+        sites = [s.description for slot in cap.slots for s in slot.try_pass(p, ctx)]
+        ok, detail, err = _verify_candidate(job, cap, reference)
+        for slot in cap.slots:
+            slot.accept() if ok else slot.reject()
+        status = "replayed" if ok else "failed verification"
+        report.decisions.append(Decision(name, ok, status, detail if not ok else "from plan, not measured",
+                                         max_abs_error=err, sites=sites))
+        if ok:
+            kept.append(p)
+    report.plan_status = f"replayed {[p.name for p in kept]} without measuring"
+    return kept

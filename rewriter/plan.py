@@ -1,0 +1,69 @@
+"""Plans: the kept rewrites of one optimize() run, as JSON, replayable without measuring.
+
+A plan is valid for the graphs, input shapes, device and versions it was made on; its
+fingerprint records them and :func:`fingerprint_mismatch` names what differs::
+
+    model = rewriter.optimize(model, example_inputs=(x,), plan="out/plan.json")
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Iterable
+
+import torch
+
+from rewriter.errors import PlanError
+
+PLAN_FORMAT = "rewriter-plan/1"
+
+
+def input_signature(args: tuple, kwargs: dict) -> list[str]:
+    def describe(name: str, v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"{name}:{v.dtype}{list(v.shape)}"
+        return f"{name}:{type(v).__name__}"
+    return ([describe(str(i), a) for i, a in enumerate(args)]
+            + [describe(k, v) for k, v in sorted(kwargs.items())])
+
+
+def graph_hash(signatures: Iterable[list[str]]) -> str:
+    h = hashlib.sha256()
+    for sig in signatures:
+        h.update("\n".join(sig).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def make_plan(fingerprint: dict, kept: list[str], decisions: list[dict]) -> dict:
+    return {"format": PLAN_FORMAT, "fingerprint": fingerprint, "kept_passes": kept,
+            "decisions": decisions}
+
+
+def load_plan(source: str | os.PathLike | dict) -> dict:
+    """Read and check a plan; a corrupt or foreign file raises PlanError naming it."""
+    if isinstance(source, dict):
+        plan, where = source, "plan dict"
+    else:
+        where = os.fspath(source)
+        try:
+            with open(where) as f:
+                plan = json.load(f)
+        except FileNotFoundError as e:
+            raise PlanError(f"plan file {where} does not exist") from e
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanError(f"plan file {where} is not valid JSON (corrupt or truncated): {e}") from e
+    if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT:
+        raise PlanError(f"{where} is not a rewriter plan (expected format {PLAN_FORMAT!r})")
+    kept = plan.get("kept_passes")
+    if not isinstance(kept, list) or not all(isinstance(k, str) for k in kept) \
+            or not isinstance(plan.get("fingerprint"), dict):
+        raise PlanError(f"{where} is missing 'kept_passes' (list of names) or 'fingerprint'")
+    return plan
+
+
+def fingerprint_mismatch(expected: dict, actual: dict) -> list[str]:
+    """Names of fingerprint fields that differ, with both values."""
+    return [f"{k}: plan has {expected.get(k)!r}, this run has {actual.get(k)!r}"
+            for k in sorted(set(expected) | set(actual)) if expected.get(k) != actual.get(k)]

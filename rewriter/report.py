@@ -1,0 +1,128 @@
+"""What optimize() decided and why, readable by a person (Markdown) and by programs (JSON).
+
+    print(model.report)                 # Markdown
+    model.report.decisions[0].kept      # per pass tried
+    model.report.save("out/")           # report.json, report.md, plan.json
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rewriter.profiling import OpRow
+
+
+@dataclass
+class Decision:
+    """One pass tried: kept or not, with the measurement and the reason in words."""
+
+    pass_name: str
+    kept: bool
+    status: str  # kept | rejected | no sites | not applicable | failed verification | raised | replayed
+    reason: str
+    speedup: float | None = None
+    noise: float | None = None
+    max_abs_error: float | None = None
+    sites: list[str] = field(default_factory=list)
+    measurement: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Report:
+    model: str
+    device: str
+    mode: str  # "inference" | "training"
+    dtype: str | None
+    front_end: str = ""
+    front_end_reason: str = ""
+    graphs: int = 0
+    decisions: list[Decision] = field(default_factory=list)
+    final: dict = field(default_factory=dict)  # whole-model check: kept, speedup, noise, reason
+    optimize_seconds: float = 0.0
+    top_ops_before: list[OpRow] = field(default_factory=list)
+    top_ops_after: list[OpRow] = field(default_factory=list)
+    left_as_modules: list[str] = field(default_factory=list)
+    plan_status: str = ""
+    notes: list[str] = field(default_factory=list)
+    plan: dict | None = None
+
+    @property
+    def kept_passes(self) -> list[str]:
+        """Passes whose rewrites the returned model runs."""
+        if not self.final.get("kept", True):
+            return []
+        return [d.pass_name for d in self.decisions if d.kept]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["top_ops_before"] = [r.to_dict() for r in self.top_ops_before]
+        d["top_ops_after"] = [r.to_dict() for r in self.top_ops_after]
+        d["kept_passes"] = self.kept_passes
+        d.pop("plan")
+        return _json_safe(d)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write ``report.json``, ``report.md`` and ``plan.json`` into ``directory``."""
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "report.json"), "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+        with open(os.path.join(directory, "report.md"), "w") as f:
+            f.write(self.to_markdown())
+        if self.plan is not None:
+            with open(os.path.join(directory, "plan.json"), "w") as f:
+                json.dump(self.plan, f, indent=2)
+
+    def to_markdown(self) -> str:
+        lines = [f"# rewriter report: {self.model}", "",
+                 f"- device: {self.device}; mode: {self.mode}; dtype: {self.dtype or 'fp32 numerics (no precision lowering)'}",
+                 f"- front-end: {self.front_end or 'none'} ({self.front_end_reason}); graphs: {self.graphs}",
+                 f"- time spent optimizing: {self.optimize_seconds:.1f} s"]
+        if self.plan_status:
+            lines.append(f"- plan: {self.plan_status}")
+        if self.final:
+            verdict = "optimized model returned" if self.final.get("kept") else "original model returned"
+            lines.append(f"- whole model: {verdict}: {self.final.get('reason', '')}")
+        lines += ["", "| pass | decision | speedup | max abs error | sites | reason |",
+                  "|---|---|---|---|---|---|"]
+        for d in self.decisions:
+            speed = f"{d.speedup:.3f}x ±{d.noise:.3f}" if d.speedup is not None and d.noise is not None else "-"
+            err = f"{d.max_abs_error:.1e}" if d.max_abs_error is not None else "-"
+            lines.append(f"| {d.pass_name} | {d.status} | {speed} | {err} | {len(d.sites)} | {_cell(d.reason)} |")
+        for title, rows in (("Top operators before", self.top_ops_before),
+                            ("Top operators after", self.top_ops_after)):
+            if rows:
+                lines += ["", f"## {title}", "", "| operator | calls | self ms | share |", "|---|---|---|---|"]
+                lines += [f"| {r.name} | {r.calls} | {r.self_ms:.2f} | {100 * r.share:.1f}% |" for r in rows]
+        sited = [d for d in self.decisions if d.sites]
+        if sited:
+            lines += ["", "## Sites", ""]
+            for d in sited:
+                lines.append(f"- {d.pass_name}: " + "; ".join(d.sites[:8]) + (" ..." if len(d.sites) > 8 else ""))
+        if self.left_as_modules:
+            lines += ["", f"Modules left as calls (no functional form): {', '.join(self.left_as_modules[:10])}"]
+        for note in self.notes:
+            lines.append(f"- note: {note}")
+        return "\n".join(lines) + "\n"
+
+    def __str__(self) -> str:
+        return self.to_markdown()
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj

@@ -1,0 +1,178 @@
+"""Numerics check: a candidate's outputs and gradients against the original model's.
+
+Tolerances are per dtype and scale-aware: an element passes when
+``|got - want| <= atol + rtol * |want|`` with ``atol = atol_scale * max(max|want|, 1% of the
+largest value among all outputs, or all gradients)``. The first term keeps a tensor of large
+values from being held to a bound meant for values near 1; the floor serves tensors that are
+analytically zero (the gradient of a key bias under softmax's shift invariance is a sum of
+terms that cancel): their rounding noise is set by the size of those terms, not by the
+near-zero result. Fused kernels reorder
+floating-point reductions (SDPA's online softmax, a fused GEMM epilogue), so even an ``exact``
+rewrite differs from the original by a few ulps per reduction step, growing through depth and
+backward; the fp32 bounds allow for that and nothing more.
+
+Where the original is not finite (a model that already overflows), those elements are not
+compared; a non-finite value where the original was finite is a failure.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from rewriter.errors import VerificationError
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol_scale: float
+
+
+# fp32: a few ulps per reduction step over deep stacks (see module docstring).
+# bf16 / fp16: torch.testing.assert_close's per-dtype rtol, as the half-precision floor.
+TOLERANCES = {
+    torch.float32: Tolerance(rtol=1e-4, atol_scale=1e-5),
+    torch.float64: Tolerance(rtol=1e-7, atol_scale=1e-9),
+    torch.bfloat16: Tolerance(rtol=1.6e-2, atol_scale=1e-2),
+    torch.float16: Tolerance(rtol=1e-3, atol_scale=1e-3),
+}
+
+
+def tolerance_for(dtype: torch.dtype | None) -> Tolerance:
+    return TOLERANCES.get(dtype or torch.float32, TOLERANCES[torch.float32])
+
+
+@dataclass
+class Comparison:
+    """Result of comparing one run against the reference."""
+
+    ok: bool
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    worst: str = ""  # where the largest violation is, e.g. "grad transformer.h.0.attn.c_attn.weight"
+    problem: str = ""
+
+    def describe(self) -> str:
+        if self.ok:
+            return f"max abs error {self.max_abs_error:.2e}"
+        return self.problem
+
+
+class dropout_disabled(TorchFunctionMode):
+    """Make dropout the identity for a deterministic numerics check.
+
+    A fused attention kernel draws its dropout mask differently from ``F.dropout`` on the
+    probabilities, so with dropout on, a correct rewrite would not match. Both the reference and
+    the candidate run with dropout off; that the rewrite carries the dropout probability over
+    is checked by construction in the pass and in its tests.
+    """
+
+    _DROPOUTS = {F.dropout, torch.dropout, F.dropout1d, F.dropout2d, F.dropout3d,
+                 F.alpha_dropout, torch.alpha_dropout, F.feature_alpha_dropout}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self._DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        if func is F.scaled_dot_product_attention:
+            kwargs["dropout_p"] = 0.0
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+        return func(*args, **kwargs)
+
+
+def flatten_output(output: Any) -> list[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor in a model output of any pytree shape.
+
+    transformers' ModelOutput and other dataclasses are read field by field.
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def walk(obj: Any, path: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            found.append((path or "output", obj))
+        elif isinstance(obj, dict) or (hasattr(obj, "keys") and hasattr(obj, "__getitem__")):
+            for k in obj.keys():
+                walk(obj[k], f"{path}.{k}" if path else str(k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}[{i}]")
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                walk(getattr(obj, f.name), f"{path}.{f.name}" if path else f.name)
+        else:
+            leaves, _ = tree_flatten(obj)
+            if len(leaves) > 1 or (leaves and leaves[0] is not obj):
+                for i, v in enumerate(leaves):
+                    walk(v, f"{path}<{i}>")
+
+    walk(output, "")
+    return found
+
+
+def compare_tensors(got: torch.Tensor, want: torch.Tensor, tol: Tolerance, where: str,
+                    scale_floor: float = 0.0) -> Comparison:
+    if got.shape != want.shape:
+        return Comparison(False, math.inf, math.inf, where, f"{where}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+    if not (want.is_floating_point() or want.is_complex()):
+        same = torch.equal(got, want)
+        return Comparison(same, 0.0 if same else math.inf, 0.0 if same else math.inf, where,
+                          "" if same else f"{where}: integer values differ")
+    got64 = got.detach().to(torch.float64)
+    want64 = want.detach().to(torch.float64)
+    finite = torch.isfinite(want64)
+    if bool((~torch.isfinite(got64) & finite).any()):
+        return Comparison(False, math.inf, math.inf, where, f"{where}: non-finite values where the original is finite")
+    if not bool(finite.any()):
+        return Comparison(True, 0.0, 0.0, where)
+    g, w = got64[finite], want64[finite]
+    diff = (g - w).abs()
+    scale = float(w.abs().max())
+    atol = tol.atol_scale * max(scale, scale_floor)
+    max_abs = float(diff.max())
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    bad = diff > atol + tol.rtol * w.abs()
+    if bool(bad.any()):
+        return Comparison(False, max_abs, max_rel, where,
+                          f"{where}: {int(bad.sum())} of {bad.numel()} elements off "
+                          f"(max abs error {max_abs:.3e}, largest value {scale:.3e}, rtol {tol.rtol:g})")
+    return Comparison(True, max_abs, max_rel, where)
+
+
+def compare_runs(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                 tol: Tolerance) -> Comparison:
+    """Compare named tensors (outputs, then gradients); the worst error is reported."""
+    if set(got) != set(want):
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        return Comparison(False, math.inf, math.inf, "",
+                          f"different tensors: missing {missing[:5]}, unexpected {extra[:5]}")
+    floors: dict[str, float] = {}
+    for name, w in want.items():
+        if w.is_floating_point() and w.numel():
+            finite = w.detach()[torch.isfinite(w.detach())]
+            peak = float(finite.abs().max()) if finite.numel() else 0.0
+            group = name.split(" ", 1)[0]
+            floors[group] = max(floors.get(group, 0.0), 0.01 * peak)
+    worst = Comparison(True)
+    for name, w in want.items():
+        c = compare_tensors(got[name], w, tol, name, floors.get(name.split(" ", 1)[0], 0.0))
+        if not c.ok:
+            return c
+        if c.max_abs_error >= worst.max_abs_error:
+            worst = c
+    return worst
+
+
+def require_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                  tol: Tolerance) -> Comparison:
+    c = compare_runs(got, want, tol)
+    if not c.ok:
+        raise VerificationError(c.problem)
+    return c

@@ -1,0 +1,137 @@
+"""The model optimize() returns: a drop-in ``nn.Module`` over the user's own model.
+
+It shares the original's parameter, buffer and submodule registries, so ``state_dict()``,
+``named_parameters()``, ``.to()`` and checkpoints use the original names and tensors (tied
+weights stay tied: they are the same objects). Attributes it does not have (``config``,
+``generate``, ...) are read from the original model. Calling it runs the kept rewrites::
+
+    fast = rewriter.optimize(model, example_inputs=(x,))
+    fast(x)                      # same outputs within tolerance
+    fast.report                  # what was kept and why
+    fast.original                # the model as given (same tensors)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from rewriter.capture import DynamoCapture, FxCapture
+from rewriter.job import Job
+from rewriter.pipeline import Outcome, replay_on_slot
+from rewriter.report import Report
+from rewriter.state import preserved_state
+
+log = logging.getLogger(__name__)
+
+_OWN = ("_model", "_outcome", "_pending", "_fx_by_mode", "report")
+
+
+class OptimizedModel(nn.Module):
+    def __init__(self, model: nn.Module, pending: Callable[[tuple, dict], Outcome] | None) -> None:
+        super().__init__()
+        d = self.__dict__
+        # Share registries with the original: same names, same tensor objects.
+        d["_parameters"] = model._parameters
+        d["_buffers"] = model._buffers
+        d["_modules"] = model._modules
+        d["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
+        d["_model"] = model
+        d["_pending"] = pending
+        d["_outcome"] = None
+        d["_fx_by_mode"] = {}
+        d["report"] = None
+        d["training"] = model.training
+
+    @property
+    def original(self) -> nn.Module:
+        """The model as the user gave it (sharing its tensors with this one)."""
+        return self.__dict__["_model"]
+
+    def graph_code(self) -> dict[str, str]:
+        """Python code of each captured graph as it now runs (empty before optimizing)."""
+        outcome = self.__dict__["_outcome"]
+        if outcome is None or outcome.capture is None:
+            return {}
+        return outcome.capture.graph_code()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_model"], name)
+
+    def train(self, mode: bool = True) -> "OptimizedModel":
+        super().train(mode)
+        self.__dict__["_model"].training = mode
+        return self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__["_pending"] is not None:
+            self._optimize_now(args, kwargs)
+        return self._runner()(*args, **kwargs)
+
+    def _optimize_now(self, args: tuple, kwargs: dict) -> None:
+        pending = self.__dict__["_pending"]
+        outcome = pending(args, kwargs)
+        self.__dict__["_pending"] = None
+        self._set_outcome(outcome)
+
+    def _set_outcome(self, outcome: Outcome) -> None:
+        self.__dict__["_outcome"] = outcome
+        self.__dict__["report"] = outcome.report
+        if isinstance(outcome.capture, FxCapture):
+            self.__dict__["_fx_by_mode"][outcome.capture.training] = outcome.capture
+
+    def _runner(self) -> Callable[..., Any]:
+        outcome: Outcome = self.__dict__["_outcome"]
+        model = self.__dict__["_model"]
+        if outcome is None or outcome.use_original or outcome.capture is None:
+            return model
+        if isinstance(outcome.capture, DynamoCapture):
+            return outcome.capture  # Dynamo recompiles on a mode change; kept passes replay
+        return self._fx_for_mode(model.training)
+
+    def _fx_for_mode(self, training: bool) -> Callable[..., Any]:
+        by_mode = self.__dict__["_fx_by_mode"]
+        if training in by_mode:
+            return by_mode[training]
+        # The traced graph baked in train/eval behaviour (dropout, BatchNorm): retrace for this
+        # mode on the next call's inputs and replay the kept passes, unmeasured.
+        return _LazyFxRetrace(self, training)
+
+    def extra_repr(self) -> str:
+        outcome = self.__dict__["_outcome"]
+        name = type(self.__dict__["_model"]).__name__
+        if outcome is None:
+            return f"{name}, not optimized yet (optimizes at the first call)"
+        r: Report = outcome.report
+        return f"{name}, front_end={r.front_end or 'none'}, kept={r.kept_passes}"
+
+    def __repr__(self) -> str:
+        return f"OptimizedModel({self.extra_repr()})"
+
+
+class _LazyFxRetrace:
+    def __init__(self, owner: OptimizedModel, training: bool) -> None:
+        self.owner, self.training = owner, training
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        d = self.owner.__dict__
+        model, outcome = d["_model"], d["_outcome"]
+        try:
+            with preserved_state(model):
+                cap = FxCapture(model, args, kwargs, "retraced for a train/eval switch")
+            ctx = dataclasses.replace(outcome.context, training=self.training)
+            replay_on_slot(cap.slots[0], outcome.kept, ctx)
+            runner: Callable[..., Any] = cap
+        except Exception as e:
+            log.warning("rewriter: retrace for %s mode failed (%s); running the original model",
+                        "train" if self.training else "eval", e)
+            runner = model
+        d["_fx_by_mode"][self.training] = runner
+        return runner(*args, **kwargs)
+

@@ -1,0 +1,75 @@
+"""Controlled clocks and passes: the gate's decisions, tested without wall-clock timing."""
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+import torch.nn.functional as F
+from torch.fx import GraphModule
+
+from rewriter import GateSettings, Pass, PassContext, PassError, Site
+from rewriter.gate import Step
+from rewriter.ir import mark_new_node
+
+# Few pairs, no warm-up time: the controlled clock needs neither.
+QUICK = GateSettings(warmup=1, warmup_seconds=0.0, max_warmup=1, min_pairs=4, max_pairs=6,
+                     budget_seconds=60.0)
+
+
+class ControlledClock:
+    """Runs each step (so the code path is real) and reports a time set by its passes.
+
+    A step's time is ``base * prod(costs[p] for p in step.passes)``, with a small seeded jitter
+    so the noise estimate is exercised. ``interrupt_after`` raises KeyboardInterrupt then.
+    """
+
+    def __init__(self, costs: dict[str, float] | None = None, base: float = 0.010,
+                 jitter: float = 0.005, interrupt_after: int | None = None) -> None:
+        self.costs = costs or {}
+        self.base, self.jitter = base, jitter
+        self.rng = random.Random(0)
+        self.calls = 0
+        self.interrupt_after = interrupt_after
+        self.seen: list[tuple[str, ...]] = []
+
+    def time(self, step: Step) -> float:
+        self.calls += 1
+        if self.interrupt_after is not None and self.calls > self.interrupt_after:
+            raise KeyboardInterrupt
+        step.run()
+        self.seen.append(step.passes)
+        factor = math.prod(self.costs.get(p, 1.0) for p in step.passes)
+        return self.base * factor * (1 + self.jitter * self.rng.uniform(-1, 1))
+
+
+class RewriteRelu(Pass):
+    """Replaces each ``F.relu``/``torch.relu`` by ``F.relu`` again (or by ``wrong`` numerics)."""
+
+    contract = "exact"
+
+    def __init__(self, name: str, shift: float = 0.0, raise_in: str = "", broken: bool = False):
+        self.name = name  # type: ignore[misc]
+        self.shift, self.raise_in, self.broken = shift, raise_in, broken
+
+    def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
+        if self.raise_in == "find":
+            raise PassError(f"{self.name}: cannot handle this graph")
+        return [Site(n, n.name) for n in gm.graph.nodes
+                if n.op == "call_function" and n.target in (F.relu, torch.relu)]
+
+    def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
+        if self.raise_in == "apply":
+            raise PassError(f"{self.name}: gave up half way")
+        g = gm.graph
+        for site in sites:
+            with g.inserting_after(site.anchor):
+                if self.broken:  # a graph that fails when run
+                    new = g.call_function(torch.reshape, (site.anchor, (-7, 3)))
+                elif self.shift:
+                    new = g.call_function(torch.add, (site.anchor, self.shift))
+                else:
+                    new = g.call_function(F.relu, (site.anchor,))
+                mark_new_node(new, self.name, like=site.anchor)
+            site.anchor.replace_all_uses_with(new)
+            new.args = (site.anchor,) + tuple(new.args[1:])

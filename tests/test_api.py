@@ -1,0 +1,181 @@
+"""optimize() as a user calls it: inputs, laziness, state_dict, reports, plans, bad input."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import rewriter
+from rewriter.errors import PlanError
+from tests.controlled import QUICK, ControlledClock, RewriteRelu
+from tests.models import HandAttention, ReluMLP
+
+FAST = {"fuse_attention": 0.5, "fuse_linear": 0.5, "a": 0.5}
+
+
+def _opt(model, inputs=None, **kw):
+    kw.setdefault("clock", ControlledClock(FAST))
+    return rewriter.optimize(model, inputs, gate=QUICK, progress=False, profile=False, **kw)
+
+
+@pytest.fixture
+def attn():
+    torch.manual_seed(0)
+    return HandAttention("mul").eval(), torch.randn(2, 16, 32)
+
+
+def test_inference_returns_drop_in_module(attn):
+    model, x = attn
+    fast = _opt(model, (x,))
+    assert isinstance(fast, nn.Module) and fast.report.kept_passes == ["fuse_attention"]
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-6)
+    assert fast.original is model
+
+
+def test_no_inputs_optimizes_at_the_first_call(attn):
+    model, x = attn
+    fast = _opt(model)
+    assert fast.report is None and "first call" in repr(fast)
+    with torch.no_grad():
+        out = fast(x)
+    assert fast.report is not None and fast.report.kept_passes == ["fuse_attention"]
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_state_dict_has_original_keys_and_loads_both_ways(attn):
+    model, x = attn
+    fast = _opt(model, (x,))
+    assert list(fast.state_dict()) == list(model.state_dict())
+    fresh = HandAttention("mul")
+    fresh.load_state_dict(fast.state_dict())
+    fast.load_state_dict(fresh.state_dict())
+    assert [n for n, _ in fast.named_parameters()] == [n for n, _ in model.named_parameters()]
+
+
+def test_training_with_optimizer_returns_pair_and_trains(attn):
+    model, x = attn
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fast, opt2 = _opt(model, (x,), optimizer=opt, loss_fn=lambda out: out.pow(2).mean())
+    assert opt2 is opt and fast.report.mode == "training"
+    before = model.qkv.weight.detach().clone()
+    fast(x).pow(2).mean().backward()
+    opt.step()
+    assert not torch.equal(before, model.qkv.weight)
+
+
+def test_fx_capture_retraces_on_train_eval_switch():
+    torch.manual_seed(0)
+    model = HandAttention("mul", dropout=0.5).train()
+    x = torch.randn(2, 16, 32)
+    fast = _opt(model, (x,))
+    assert fast.report.front_end == "fx" and fast.report.kept_passes == ["fuse_attention"]
+    fast.eval()
+    assert not model.training
+    with torch.no_grad():  # eval: no dropout, so the outputs must match exactly
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-6)
+    assert "dropout_p = 0.0" in fast._fx_by_mode[False].graph_code()["graph_0"]
+
+
+def test_report_dict_markdown_and_save(tmp_path, attn):
+    model, x = attn
+    fast = rewriter.optimize(model, (x,), gate=QUICK, progress=False,
+                             clock=ControlledClock(FAST))
+    r = fast.report
+    d = r.to_dict()
+    assert d["kept_passes"] == ["fuse_attention"] and d["front_end"] == "fx"
+    assert {"pass_name", "kept", "speedup", "reason", "sites", "max_abs_error"} <= set(d["decisions"][0])
+    assert r.top_ops_before and r.top_ops_after  # one profiler run per variant
+    md = r.to_markdown()
+    assert "| fuse_attention | kept |" in md and "Top operators before" in md
+    r.save(tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text())["model"] == "HandAttention"
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["kept_passes"] == ["fuse_attention"]
+
+
+def test_plan_replays_without_measuring(tmp_path, attn):
+    model, x = attn
+    _opt(model, (x,)).report.save(tmp_path)
+    clock = ControlledClock(FAST)
+    replayed = _opt(model, (x,), plan=str(tmp_path / "plan.json"), clock=clock)
+    assert clock.calls == 0
+    assert replayed.report.kept_passes == ["fuse_attention"]
+    assert replayed.report.decisions[0].status == "replayed"
+
+
+def test_plan_with_other_fingerprint_is_not_applied_blindly(tmp_path, attn):
+    model, x = attn
+    _opt(model, (x,)).report.save(tmp_path)
+    other = _opt(model, (torch.randn(3, 16, 32),), plan=str(tmp_path / "plan.json"))
+    assert "not applied" in other.report.plan_status and "inputs" in other.report.plan_status
+    measured = {d.pass_name: d.status for d in other.report.decisions}
+    assert measured["fuse_attention"] == "kept"  # measured instead of replayed
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"format": "something else"}', ""])
+def test_corrupt_plan_error_names_the_file(tmp_path, attn, content):
+    model, x = attn
+    path = tmp_path / "plan.json"
+    path.write_text(content)
+    with pytest.raises(PlanError, match="plan.json"):
+        _opt(model, (x,), plan=str(path))
+
+
+def test_not_a_module_is_refused():
+    with pytest.raises(TypeError, match="nn.Module"):
+        rewriter.optimize(lambda x: x, (torch.randn(2),))
+
+
+def test_inputs_the_model_cannot_run_keep_the_model_error_as_cause():
+    model = ReluMLP(16)
+    with pytest.raises(ValueError, match="cannot run on the example inputs") as info:
+        _opt(model, (torch.randn(4, 7),))
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_unknown_pass_names_are_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match="unknown pass 'fuse_everything'.*fuse_attention"):
+        rewriter.optimize(ReluMLP(), (torch.randn(2, 16),), passes=["fuse_everything"])
+    with pytest.raises(ValueError, match="exclude names unknown pass"):
+        rewriter.optimize(ReluMLP(), (torch.randn(2, 16),), exclude=["nope"])
+
+
+def test_bad_options_are_refused():
+    m, x = ReluMLP(), (torch.randn(2, 16),)
+    with pytest.raises(ValueError, match="dtype"):
+        rewriter.optimize(m, x, dtype=torch.int8)
+    with pytest.raises(ValueError, match="min_speedup"):
+        rewriter.optimize(m, x, min_speedup=0.5)
+    with pytest.raises(TypeError, match="example_inputs"):
+        rewriter.optimize(m, 3)
+    with pytest.raises(ValueError, match="unknown device"):
+        rewriter.optimize(m, x, device="tpu")
+    with pytest.raises(ValueError, match="already returned by optimize"):
+        rewriter.optimize(_opt(m, x), x)
+
+
+def test_optimizer_over_foreign_tensors_is_refused():
+    m = ReluMLP()
+    opt = torch.optim.SGD([nn.Parameter(torch.randn(3))], lr=0.1)
+    with pytest.raises(ValueError, match="not parameters of the model"):
+        rewriter.optimize(m, (torch.randn(2, 16),), optimizer=opt)
+
+
+def test_keyword_inputs(attn):
+    model, x = attn
+    fast = _opt(model, {"x": x})
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x=x), model(x=x), rtol=1e-5, atol=1e-6)
+
+
+def test_reduced_pass_needs_dtype(attn):
+    model, x = attn
+
+    class Lossy(RewriteRelu):
+        contract = "reduced"
+    fast = _opt(model, (x,), passes=[Lossy("lossy")])
+    d = fast.report.decisions[0]
+    assert d.status == "not applicable" and "dtype" in d.reason

@@ -1,0 +1,19 @@
+import json
+
+import torch
+
+from rewriter import cli
+
+
+def test_demo_runs_and_writes_report(tmp_path, capsys, monkeypatch):
+    from rewriter import examples
+    small = lambda: (examples.TunedBlock(in_features=64, hidden=32, max_len=16).eval(),  # noqa: E731
+                     (torch.randn(2, 16, 64),))
+    monkeypatch.setattr(examples, "tuned_block", small)
+    assert cli.main(["demo", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "# rewriter report: TunedBlock" in out and "fuse_attention" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    sites = {d["pass_name"]: len(d["sites"]) for d in report["decisions"]}
+    assert sites == {"fuse_linear": 1, "fuse_attention": 1}
+    assert (tmp_path / "plan.json").exists()

@@ -1,0 +1,135 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rewriter.backends import NpuBackend
+from tests.helpers import code, outputs_and_grads, rewrite
+from tests.models import HandAttention
+
+B, T, D = 2, 16, 32
+
+
+def _inputs(variant):
+    torch.manual_seed(0)
+    x = torch.randn(B, T, D)
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    if variant == "additive":
+        return (x, torch.zeros(T, T).masked_fill(~causal, float("-inf")))
+    if variant in ("masked_fill", "where", "small_fill"):
+        return (x, causal)
+    if variant == "two_masks":
+        return (x, (causal, torch.zeros(T, T)))
+    if variant == "mask_then_scale":
+        return (x, torch.zeros(T, T))
+    return (x,)
+
+
+# fp32: the fused kernel reorders the softmax and matmul reductions (a few ulps of the
+# largest value), so gradients that are analytically zero come out near 1e-6.
+def _check_same(model, cap, args, rtol=1e-5, atol=1e-5):
+    params = list(model.parameters())
+    want_out, want_grad = outputs_and_grads(model, args, params)
+    got_out, got_grad = outputs_and_grads(cap, args, params)
+    for g, w in zip(got_out + got_grad, want_out + want_grad):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+@pytest.mark.parametrize("variant", ["mul", "div", "noscale", "additive", "masked_fill", "where"])
+def test_fuses_and_keeps_outputs_and_grads(variant, front_end):
+    model = HandAttention(variant)
+    args = _inputs(variant)
+    cap, sites = rewrite(model, args, "fuse_attention", front_end=front_end, training=True)
+    assert len(sites) == 1
+    assert "scaled_dot_product_attention" in code(cap)
+    assert "softmax" not in code(cap)
+    _check_same(model, cap, args)
+
+
+def test_scale_defaults_to_one_not_sdpa_default():
+    model = HandAttention("noscale")
+    cap, sites = rewrite(model, _inputs("noscale"), "fuse_attention")
+    assert "scale = 1.0" in code(cap)
+
+
+def test_dropout_probability_carried_into_fused_call():
+    model = HandAttention("mul", dropout=0.25).train()
+    cap, sites = rewrite(model, _inputs("mul"), "fuse_attention", training=True)
+    assert len(sites) == 1 and "dropout_p = 0.25" in code(cap)
+
+
+def test_eval_mode_dropout_becomes_zero():
+    model = HandAttention("mul", dropout=0.25).eval()
+    cap, _ = rewrite(model, _inputs("mul"), "fuse_attention")
+    assert "dropout_p = 0.0" in code(cap)
+
+
+@pytest.mark.parametrize("variant", ["two_masks", "mask_then_scale", "small_fill", "dim2"])
+def test_declines_what_it_cannot_express(variant):
+    model = HandAttention(variant)
+    cap, sites = rewrite(model, _inputs(variant), "fuse_attention")
+    assert sites == []
+    assert "softmax" in code(cap)
+
+
+def test_declines_when_attention_weights_are_used_elsewhere():
+    model = HandAttention("mul", return_weights=True)
+    cap, sites = rewrite(model, _inputs("mul"), "fuse_attention")
+    assert sites == []
+
+
+def test_npu_declines_a_dtype_it_does_not_take(fake_torch_npu):
+    model = HandAttention("mul").double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    cap, sites = rewrite(model, (x,), "fuse_attention", training=True, backend=NpuBackend())
+    assert sites == []
+    cap, sites = rewrite(model, (x,), "fuse_attention", training=True)  # SDPA takes float64
+    assert len(sites) == 1
+
+
+def test_npu_training_form_matches_the_reference_shim(fake_torch_npu):
+    model = HandAttention("masked_fill")
+    args = _inputs("masked_fill")
+    cap, sites = rewrite(model, args, "fuse_attention", training=True, backend=NpuBackend())
+    assert len(sites) == 1
+    assert "npu_fusion_attention" in code(cap) and "BNSD" in code(cap)
+    _check_same(model, cap, args)
+
+
+def test_npu_takes_transformers_style_additive_mask_as_boolean(fake_torch_npu):
+    class WhereMask(torch.nn.Module):
+        def forward(self, q, k, v, keep):
+            mask = torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+            return F.softmax(q @ k.transpose(-1, -2) * 0.3 + mask[:, :, :, :8], dim=-1) @ v
+    torch.manual_seed(0)
+    keep = torch.tril(torch.ones(8, 8, dtype=torch.bool)).expand(2, 1, 8, 8)
+    args = (torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16), keep)
+    model = WhereMask()
+    cap, sites = rewrite(model, args, "fuse_attention", training=True, backend=NpuBackend())
+    assert len(sites) == 1 and "npu_fusion_attention" in code(cap)
+    torch.testing.assert_close(cap(*args), model(*args), rtol=1e-5, atol=1e-6)
+
+
+def test_npu_declines_arbitrary_float_mask(fake_torch_npu):
+    model = HandAttention("additive")
+    cap, sites = rewrite(model, _inputs("additive"), "fuse_attention", training=True,
+                         backend=NpuBackend())
+    assert sites == []
+
+
+def test_npu_inference_uses_sdpa_with_boolean_mask(fake_torch_npu):
+    model = HandAttention("where").eval()
+    args = _inputs("where")
+    cap, sites = rewrite(model, args, "fuse_attention", training=False, backend=NpuBackend())
+    assert len(sites) == 1 and "scaled_dot_product_attention" in code(cap)
+    with torch.no_grad():
+        torch.testing.assert_close(cap(*args), model(*args), rtol=1e-5, atol=1e-6)
+
+
+def test_shim_follows_documented_mask_polarity(fake_torch_npu):
+    """True in atten_mask means masked out (reference §1.1), the opposite of SDPA."""
+    q = k = v = torch.randn(1, 1, 4, 8)
+    masked = torch.tril(torch.ones(4, 4, dtype=torch.bool)).logical_not()
+    got = fake_torch_npu.npu_fusion_attention(q, k, v, 1, "BNSD", atten_mask=masked, scale=0.5)[0]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=~masked, scale=0.5)
+    torch.testing.assert_close(got, want)

@@ -1,0 +1,143 @@
+"""The gate's decisions, with controlled times (no wall-clock thresholds)."""
+import math
+
+import pytest
+import torch
+
+import rewriter
+from rewriter.gate import GateSettings, Measurement, Step, decide, measure
+from tests.controlled import QUICK, ControlledClock, RewriteRelu
+from tests.models import ReluMLP
+
+
+def _opt(model, x, passes, costs, **kw):
+    return rewriter.optimize(model, (x,), passes=passes, clock=ControlledClock(costs),
+                             gate=QUICK, profile=False, progress=False, **kw)
+
+
+def _decision(fast, name):
+    return next(d for d in fast.report.decisions if d.pass_name == name)
+
+
+@pytest.fixture
+def mlp():
+    torch.manual_seed(0)
+    return ReluMLP().eval(), torch.randn(4, 16)
+
+
+def test_certainly_faster_pass_is_kept(mlp):
+    model, x = mlp
+    fast = _opt(model, x, [RewriteRelu("fast")], {"fast": 0.5})
+    d = _decision(fast, "fast")
+    assert d.kept and d.status == "kept" and d.speedup == pytest.approx(2.0, rel=0.05)
+    assert fast.report.final["kept"] and fast.report.kept_passes == ["fast"]
+    made = [n for slot in fast._outcome.capture.slots for n in slot.kept.graph.nodes
+            if n.meta.get("rewriter_pass") == "fast"]
+    assert made, "the kept graph holds the nodes the pass made"
+
+
+def test_certainly_slower_pass_is_rejected(mlp):
+    model, x = mlp
+    fast = _opt(model, x, [RewriteRelu("slow")], {"slow": 2.0})
+    d = _decision(fast, "slow")
+    assert not d.kept and d.status == "rejected" and "slower" in d.reason
+    assert d.speedup == pytest.approx(0.5, rel=0.05)
+    assert fast.report.kept_passes == [] and not fast.report.final["kept"]
+
+
+def test_gain_below_min_speedup_is_rejected(mlp):
+    model, x = mlp
+    fast = _opt(model, x, [RewriteRelu("meh")], {"meh": 1 / 1.02}, min_speedup=1.05)
+    d = _decision(fast, "meh")
+    assert not d.kept and "below min_speedup" in d.reason
+
+
+def test_pass_that_changes_numerics_is_rejected_even_if_faster(mlp):
+    model, x = mlp
+    fast = _opt(model, x, [RewriteRelu("wrong", shift=1e-2)], {"wrong": 0.1})
+    d = _decision(fast, "wrong")
+    assert not d.kept and d.status == "failed verification" and d.speedup is None
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+
+
+@pytest.mark.parametrize("where", ["find", "apply"])
+def test_pass_that_raises_is_reverted_and_the_rest_go_on(mlp, where):
+    model, x = mlp
+    fast = _opt(model, x, [RewriteRelu("bad", raise_in=where), RewriteRelu("good")],
+                {"bad": 0.5, "good": 0.5})
+    bad, good = _decision(fast, "bad"), _decision(fast, "good")
+    assert bad.status == "raised"
+    assert ("cannot handle" if where == "find" else "gave up") in bad.reason
+    assert good.kept
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+
+
+def test_pass_that_returns_a_broken_graph_is_reverted(mlp):
+    model, x = mlp
+    fast = _opt(model, x, [RewriteRelu("broken", broken=True)], {"broken": 0.5})
+    d = _decision(fast, "broken")
+    assert d.status == "failed verification" and "raised when run" in d.reason
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+
+
+def test_greedy_order_measures_against_kept_state(mlp):
+    model, x = mlp
+    clock = ControlledClock({"a": 0.5, "b": 0.9})
+    rewriter.optimize(model, (x,), passes=[RewriteRelu("a"), RewriteRelu("b")], clock=clock,
+                      gate=QUICK, profile=False, progress=False)
+    assert ("a", "b") in clock.seen  # b's candidate ran on top of kept a
+    assert ("a",) in clock.seen
+
+
+def test_whole_model_check_returns_original_when_not_faster(mlp):
+    """Each pass looked faster against the kept state, but the clock says the combination is
+    no faster than the original (interaction): the original model is what runs."""
+    model, x = mlp
+
+    class Interaction(ControlledClock):
+        def time(self, step):
+            t = super().time(step)
+            return self.base if step.label in ("original", "optimized") else t
+    clock = Interaction({"a": 0.5})
+    fast = rewriter.optimize(model, (x,), passes=[RewriteRelu("a")], clock=clock, gate=QUICK,
+                             profile=False, progress=False)
+    assert _decision(fast, "a").kept
+    assert not fast.report.final["kept"] and fast.report.kept_passes == []
+    assert fast._runner() is model
+
+
+def test_measurement_statistics():
+    m = Measurement([1.0, 1.1, 0.9, 1.0, 1.0], [0.5, 0.55, 0.45, 0.5, 0.5])
+    assert m.speedup == pytest.approx(2.0)
+    assert m.noise == pytest.approx(0.0)
+    noisy = Measurement([1.0, 2.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0])
+    assert noisy.noise > 0.3
+
+
+def test_decide_wants_the_gain_to_clear_the_noise():
+    m = Measurement([1.2, 0.9, 1.3, 0.8, 1.25, 0.85], [1.0] * 6)
+    keep, reason = decide(m, min_speedup=1.01)
+    assert not keep and ("noise" in reason or "slower" in reason)
+    assert not decide(Measurement(), 1.0)[0]
+
+
+def test_measure_interleaves_and_alternates_order():
+    order = []
+    a = Step(lambda: order.append("A"), (), "a")
+    b = Step(lambda: order.append("B"), ("x",), "b")
+    clock = ControlledClock({"x": 0.5}, jitter=0.0)
+    m = measure(a, b, clock=clock, settings=GateSettings(warmup=0, warmup_seconds=0, max_warmup=0,
+                                                         min_pairs=4, max_pairs=4))
+    assert order == ["A", "B", "B", "A", "A", "B", "B", "A"]
+    assert m.pairs == 4 and m.speedup == pytest.approx(2.0)
+
+
+def test_measure_stops_early_once_conclusive():
+    a, b = Step(lambda: None, (), "a"), Step(lambda: None, ("x",), "b")
+    m = measure(a, b, clock=ControlledClock({"x": 0.5}), min_speedup=1.03,
+                settings=GateSettings(warmup=0, warmup_seconds=0, max_warmup=0, min_pairs=5,
+                                      max_pairs=50))
+    assert m.pairs == 5 and not math.isnan(m.speedup)

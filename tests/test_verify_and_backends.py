@@ -1,0 +1,91 @@
+import math
+
+import pytest
+import torch
+
+import rewriter
+from rewriter.backends import CpuBackend, NpuBackend, get_backend
+from rewriter.verify import compare_runs, dropout_disabled, flatten_output, tolerance_for
+from tests.controlled import QUICK, ControlledClock
+from tests.models import HandAttention
+
+FP32 = tolerance_for(torch.float32)
+
+
+def test_rounding_difference_passes_and_real_difference_fails():
+    want = {"output y": torch.linspace(-1, 1, 100)}
+    assert compare_runs({"output y": want["output y"] * (1 + 1e-6)}, want, FP32).ok
+    bad = compare_runs({"output y": want["output y"] + 1e-2}, want, FP32)
+    assert not bad.ok and "elements off" in bad.problem
+
+
+def test_new_nan_fails_but_nan_where_original_had_one_is_ignored():
+    want = torch.tensor([1.0, float("nan"), 3.0])
+    assert compare_runs({"output y": torch.tensor([1.0, 5.0, 3.0])}, {"output y": want}, FP32).ok
+    c = compare_runs({"output y": torch.tensor([1.0, 2.0, float("inf")])}, {"output y": want}, FP32)
+    assert not c.ok and "non-finite" in c.problem
+
+
+def test_near_zero_gradient_is_judged_against_the_runs_scale():
+    want = {"grad a": torch.full((4,), 1e-12), "grad b": torch.ones(4)}
+    got = {"grad a": torch.full((4,), 4e-12), "grad b": torch.ones(4)}
+    assert compare_runs(got, want, FP32).ok
+    assert not compare_runs({"grad a": got["grad a"]}, {"grad a": want["grad a"]}, FP32).ok
+
+
+def test_shape_and_integer_mismatches_fail():
+    assert not compare_runs({"output y": torch.zeros(3)}, {"output y": torch.zeros(4)}, FP32).ok
+    assert not compare_runs({"output i": torch.tensor([1, 2])}, {"output i": torch.tensor([1, 3])}, FP32).ok
+    assert not compare_runs({}, {"output y": torch.zeros(1)}, FP32).ok
+
+
+def test_half_precision_tolerances_are_looser():
+    assert tolerance_for(torch.bfloat16).rtol > tolerance_for(torch.float16).rtol > FP32.rtol
+
+
+def test_dropout_disabled_makes_dropout_identity():
+    x = torch.randn(100)
+    with dropout_disabled():
+        assert torch.equal(torch.nn.functional.dropout(x, 0.9, True), x)
+        q = torch.randn(1, 1, 4, 8)
+        a = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.9)
+    torch.testing.assert_close(a, torch.nn.functional.scaled_dot_product_attention(q, q, q))
+
+
+def test_flatten_output_reads_nested_structures_and_dataclasses():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Out:
+        logits: torch.Tensor
+        extra: tuple
+
+    t = torch.zeros(1)
+    paths = [p for p, _ in flatten_output({"a": [t, (t, Out(t, (t,)))]})]
+    assert paths == ["a[0]", "a[1][0]", "a[1][1].logits", "a[1][1].extra[0]"]
+
+
+def test_backend_lookup():
+    assert isinstance(get_backend("cpu"), CpuBackend)
+    assert get_backend("cuda:0").name == "cuda"
+    assert get_backend(torch.device("cpu")).name == "cpu"
+    with pytest.raises(ValueError, match="unknown device"):
+        get_backend("tpu")
+
+
+def test_npu_backend_is_unavailable_without_torch_npu(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import raises ImportError
+    assert not NpuBackend().is_available()
+    assert get_backend(None).name in ("cpu", "cuda")
+
+
+def test_optimize_end_to_end_on_the_npu_shim(fake_torch_npu):
+    torch.manual_seed(0)
+    model = HandAttention("masked_fill").train()
+    x, keep = torch.randn(2, 16, 32), torch.tril(torch.ones(16, 16, dtype=torch.bool))
+    fast = rewriter.optimize(model, (x, keep), device=NpuBackend(), gate=QUICK, progress=False,
+                             clock=ControlledClock({"fuse_attention": 0.5}))
+    assert fast.report.device == "npu" and fast.report.kept_passes == ["fuse_attention"]
+    assert "npu_fusion_attention" in fast.graph_code()["graph_0"]
+    assert fast.report.top_ops_before, fast.report.notes  # profiled via the shim
