@@ -8,6 +8,7 @@ from rewriter.api import optimize
 from rewriter.backends import Backend, get_backend
 from rewriter.errors import CaptureError, PassError, PlanError, RewriterError, VerificationError
 from rewriter.gate import GateSettings
+from rewriter.optimizers import clip_grad_norm_, zero_grad
 from rewriter.pass_api import Pass, PassContext, Site, register_pass, registered_passes
 from rewriter.report import Decision, Report
 from rewriter.wrapper import OptimizedModel
@@ -19,6 +20,8 @@ __all__ = [
     "optimize", "OptimizedModel", "Report", "Decision",
     # bringing your own pass
     "Pass", "PassContext", "Site", "register_pass", "registered_passes",
+    # the gradient step
+    "clip_grad_norm_", "zero_grad",
     # devices and measuring
     "Backend", "get_backend", "GateSettings",
     # errors

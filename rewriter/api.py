@@ -51,8 +51,10 @@ def optimize(
             its tensors (``state_dict()`` keys are the original ones).
         example_inputs: positional args (tuple/list, or one tensor) or keyword args (dict) of one
             representative call. None: capture and decide at the first call.
-        optimizer: training mode; the gate measures forward + backward + ``optimizer.step()``.
-            Returned as is (second element of the result).
+        optimizer: training mode; the gate measures forward + backward + ``optimizer.step()``,
+            and tries the device's fused form of the same algorithm (``fuse_optimizer``). The
+            second element of the result: the same object switched in place where torch
+            allows (its state and any LR scheduler carry on), else a replacement.
         loss_fn: ``loss_fn(output) -> scalar``. Default in training: ``output.loss`` if present,
             else a fixed random cotangent on the outputs.
         dtype: ``torch.bfloat16``/``torch.float16`` allows precision-lowering (``reduced``)
@@ -91,7 +93,8 @@ def optimize(
     if optimizer is not None:
         _check_optimizer_params(model, optimizer)
     settings = Settings(min_speedup=float(min_speedup), front_end=front_end,
-                        gate=gate or GateSettings(), clock=clock, profile=profile, plan=plan)
+                        gate=gate or GateSettings(), clock=clock, profile=profile, plan=plan,
+                        replace_optimizer=example_inputs is not None)
 
     def run(args: tuple, kwargs: dict) -> Outcome:
         _check_input_devices(model, args, kwargs)
@@ -103,10 +106,13 @@ def optimize(
             return run_pipeline(job, chosen, settings)
 
     result = OptimizedModel(model, pending=run)
-    if example_inputs is not None:
-        args, kwargs = _split_inputs(example_inputs)
-        result._optimize_now(args, kwargs)
-    return (result, optimizer) if optimizer is not None else result
+    if example_inputs is None:
+        return (result, optimizer) if optimizer is not None else result
+    args, kwargs = _split_inputs(example_inputs)
+    result._optimize_now(args, kwargs)
+    if optimizer is not None:
+        return result, result._outcome.optimizer
+    return result
 
 
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:

@@ -72,8 +72,10 @@ class Job:
         return self._cotangents[key]
 
     # --- steps -----------------------------------------------------------------------------
-    def step(self, run: Callable[..., Any]) -> Callable[[], None]:
-        """One step of the user's job with ``run`` standing in for the model."""
+    def step(self, run: Callable[..., Any], optimizer: Any = None) -> Callable[[], None]:
+        """One step of the user's job with ``run`` standing in for the model (and ``optimizer``,
+        when given, for the job's own)."""
+        opt = optimizer if optimizer is not None else self.optimizer
         if not self.training:
             def infer() -> None:
                 with torch.no_grad():
@@ -83,8 +85,8 @@ class Job:
         def train() -> None:
             with torch.enable_grad():
                 self.loss(run(*self.args, **self.kwargs)).backward()
-            if self.optimizer is not None:
-                self.optimizer.step()
+            if opt is not None:
+                opt.step()
             self.zero_grads()
         return train
 

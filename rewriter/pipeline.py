@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from rewriter import optimizers
 from rewriter import plan as plans
 from rewriter.capture import Capture, DynamoCapture, GraphSlot, capture
 from rewriter.errors import CaptureError, PlanError
@@ -26,7 +27,7 @@ from rewriter.pass_api import Pass, PassContext, registered_passes
 from rewriter.profiling import profile_step
 from rewriter.report import Decision, Report
 from rewriter.state import preserved_state
-from rewriter.verify import compare_runs, dropout_disabled, tolerance_for
+from rewriter.verify import Tolerance, compare_runs, tolerance_for
 
 log = logging.getLogger("rewriter.progress")
 
@@ -41,6 +42,7 @@ class Settings:
     clock: Clock | None = None
     profile: bool = True
     plan: Any = None
+    replace_optimizer: bool = True  # False when optimize() already handed the optimizer back
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Outcome:
     kept: list[Pass]
     use_original: bool
     context: PassContext
+    optimizer: torch.optim.Optimizer | None = None  # what optimize() returns beside the model
 
 
 def run_pipeline(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
@@ -89,23 +92,35 @@ def run_pipeline(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
                          decision.reason)
                 if decision.kept:
                     kept.append(p)
-        use_original = not kept
-        if kept and plan is None:
-            use_original = not _final_check(job, cap, kept, clock, settings, report)
+        fused_opt = None
+        if job.optimizer is not None and plan is None:
+            decision, fused_opt = _try_optimizer(job, clock, settings)
             snapshot.restore()
-        elif not kept:
+            report.decisions.append(decision)
+            log.info("rewriter: optimizer: %s: %s", decision.status, decision.reason)
+        use_original = not kept and fused_opt is None
+        if plan is not None:
+            report.final = {"kept": bool(kept), "reason": "replayed plan (not measured)"}
+        elif use_original:
             report.final = {"kept": False, "reason": "no rewrite was kept"}
         else:
-            report.final = {"kept": True, "reason": "replayed plan (not measured)"}
+            use_original = not _final_check(job, cap, kept, fused_opt, clock, settings, report)
+            snapshot.restore()
         if settings.profile:
-            _profile(job, cap, report, use_original)
+            _profile(job, cap if kept else job.model, report, use_original,
+                     None if use_original else _fused_twin(job, fused_opt))
             snapshot.restore()
         report.graphs = len(cap.slots)
         report.plan = plans.make_plan(fingerprint, [p.name for p in kept],
                                       [d.to_dict() for d in report.decisions])
+    optimizer = job.optimizer
+    if fused_opt is not None and not use_original:
+        optimizer = fused_opt.switch(job.optimizer)  # after the snapshot: this change stays
+        report.notes.append(f"optimizer: {fused_opt.description}")
     report.optimize_seconds = time.perf_counter() - started
     log.info("rewriter: done in %.1f s: %s", report.optimize_seconds, report.final.get("reason", ""))
-    return Outcome(report, cap, kept, use_original, ctx)
+    model_kept = [] if use_original else kept
+    return Outcome(report, cap, model_kept, not model_kept, ctx, optimizer)
 
 
 def _reference_numerics(job: Job) -> dict[str, torch.Tensor]:
@@ -198,12 +213,17 @@ def _reject_all(cap: Capture) -> None:
         slot.reject()
 
 
-def _final_check(job: Job, cap: Capture, kept: list[Pass], clock: Clock, settings: Settings,
+def _final_check(job: Job, cap: Capture, kept: list[Pass],
+                 fused_opt: optimizers.OptimizerCandidate | None, clock: Clock, settings: Settings,
                  report: Report) -> bool:
     """Measure original vs optimized once more: pairwise gains need not add up."""
-    names = tuple(p.name for p in kept)
-    m = measure(Step(job.step(job.model), (), "original"),
-                _variant_step(job, cap, False, names, "optimized"),
+    names = tuple(p.name for p in kept) + (("fuse_optimizer",) if fused_opt else ())
+    optimized = job.step(cap if kept else job.model, optimizer=_fused_twin(job, fused_opt))
+
+    def run_optimized() -> None:
+        with switched(cap.switch, use_candidate=False):
+            optimized()
+    m = measure(Step(job.step(job.model), (), "original"), Step(run_optimized, names, "optimized"),
                 clock=clock, settings=settings.gate, min_speedup=1.0)
     keep, reason = decide(m, 1.0, settings.gate.noise_widths)
     report.final = {"kept": keep, "speedup": m.speedup, "noise": m.noise, "reason": reason,
@@ -212,12 +232,68 @@ def _final_check(job: Job, cap: Capture, kept: list[Pass], clock: Clock, setting
     return keep
 
 
-def _profile(job: Job, cap: Capture, report: Report, use_original: bool) -> None:
+def _fused_twin(job: Job, cand: optimizers.OptimizerCandidate | None) -> torch.optim.Optimizer | None:
+    return cand.twin(job.optimizer) if cand is not None else None
+
+
+# The issue's bar for a fused optimizer: 5 steps within 1e-5 of the original's parameters.
+OPTIMIZER_STEPS = 5
+OPTIMIZER_TOLERANCE = Tolerance(rtol=1e-5, atol_scale=1e-6)
+
+
+def _try_optimizer(job: Job, clock: Clock, settings: Settings
+                   ) -> tuple[Decision, optimizers.OptimizerCandidate | None]:
+    """Gate the fused forms of the job's optimizer on scratch copies; the first that passes wins."""
+    found, why_none = optimizers.candidates(job.optimizer, job.backend)
+    if not settings.replace_optimizer:
+        found = [c for c in found if c.flags is not None]
+        why_none += "; optimize() without example inputs can only switch the optimizer in place"
+    if not found:
+        return Decision("fuse_optimizer", False, "not applicable", why_none), None
+    tried = []
+    for cand in found:
+        ok, detail, err = _optimizer_numerics(job.optimizer, cand)
+        if not ok:
+            tried.append(f"{cand.description}: failed verification ({detail})")
+            continue
+        base, _ = optimizers.scratch_optimizer(job.optimizer, None, seed=1)
+        fused, _ = optimizers.scratch_optimizer(job.optimizer, cand, seed=1)
+        m = measure(Step(base.step, (), "optimizer step"), Step(fused.step, ("fuse_optimizer",), "fused step"),
+                    clock=clock, settings=settings.gate, min_speedup=settings.min_speedup)
+        keep, reason = decide(m, settings.min_speedup, settings.gate.noise_widths)
+        decision = Decision("fuse_optimizer", keep, "kept" if keep else "rejected",
+                            f"{cand.description}: {reason}", speedup=m.speedup, noise=m.noise,
+                            max_abs_error=err, sites=[cand.description], measurement=m.to_dict())
+        if keep:
+            return decision, cand
+        tried.append(decision.reason)
+    return Decision("fuse_optimizer", False, "rejected", "; ".join(tried),
+                    sites=[c.description for c in found]), None
+
+
+def _optimizer_numerics(optimizer: torch.optim.Optimizer, cand: optimizers.OptimizerCandidate
+                        ) -> tuple[bool, str, float | None]:
+    try:
+        base, base_params = optimizers.scratch_optimizer(optimizer, None)
+        fused, fused_params = optimizers.scratch_optimizer(optimizer, cand)
+        for _ in range(OPTIMIZER_STEPS):
+            base.step()
+            fused.step()
+    except Exception as e:
+        return False, f"raised: {type(e).__name__}: {e}", None
+    got = {f"param {i}": p.detach() for i, p in enumerate(fused_params)}
+    want = {f"param {i}": p.detach() for i, p in enumerate(base_params)}
+    c = compare_runs(got, want, OPTIMIZER_TOLERANCE)
+    return c.ok, c.describe(), c.max_abs_error
+
+
+def _profile(job: Job, run: Any, report: Report, use_original: bool,
+             optimizer: torch.optim.Optimizer | None) -> None:
     activities = job.backend.profiler_activities()
     try:
         report.top_ops_before = profile_step(job.step(job.model), activities)
         if not use_original:
-            report.top_ops_after = profile_step(job.step(cap), activities)
+            report.top_ops_after = profile_step(job.step(run, optimizer=optimizer), activities)
     except Exception as e:  # a profiler problem must not cost the user the optimization
         report.notes.append(f"profiling failed: {type(e).__name__}: {e}")
 

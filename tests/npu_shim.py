@@ -5,6 +5,7 @@ It implements what ``../shared/reference/npu_ecosystem.md`` documents, nothing m
 * ``npu_fusion_attention`` (§1.1): ``Dropout(Softmax(Mask(scale * (pse + q @ k^T), atten_mask)),
   keep_prob) @ v``; ``atten_mask`` True = masked out; ``scale`` defaults to 1.0; layouts BNSD,
   BSND, BSH; returns the 7-tuple whose first element is the attention output.
+* ``optim.NpuFusedAdamW`` (§2.1): the documented constructor and constraints over torch's AdamW.
 * ``npu.is_available/synchronize/get_rng_state_all/set_rng_state_all`` and
   ``profiler.ProfilerActivity`` (CPU, NPU), mapped onto the CPU.
 
@@ -81,4 +82,30 @@ def as_module() -> types.ModuleType:
     mod.npu_fusion_attention = npu_fusion_attention
     mod.npu = npu
     mod.profiler = profiler
+    mod.optim = optim
     return mod
+
+
+class NpuFusedAdamW(torch.optim.AdamW):
+    """Constructor as documented (§2.1): (params, lr=1e-3, betas=(0.9,0.999), eps=1e-8,
+    weight_decay=1e-2, amsgrad=False); fp32/fp16 params only; set_to_none refused."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad, foreach=False)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.dtype not in (torch.float32, torch.float16):
+                    raise TypeError("Fused optimizer's parameters must be either float32 or float16")
+
+    def zero_grad(self, set_to_none=False):
+        if set_to_none:
+            raise ValueError("set_to_none is not supported in fused optimizers")
+        super().zero_grad(set_to_none=False)
+
+    def clip_grad_norm_fused_(self, max_norm, norm_type=2):
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+
+optim = types.SimpleNamespace(NpuFusedAdamW=NpuFusedAdamW)
