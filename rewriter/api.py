@@ -1,6 +1,7 @@
 """``rewriter.optimize``: the public entry point."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from typing import Any, Callable, Sequence
@@ -8,10 +9,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from rewriter import distributed
 from rewriter.backends import Backend, get_backend
 from rewriter.gate import Clock, GateSettings
 from rewriter.job import Job
-from rewriter.pass_api import Pass, resolve_passes
+from rewriter.pass_api import Pass, PassContext, resolve_passes
+from rewriter.report import Report
 from rewriter.pipeline import Outcome, Settings, run_pipeline
 from rewriter.wrapper import OptimizedModel
 
@@ -30,6 +33,7 @@ def optimize(
     device: str | torch.device | Backend | None = None,
     min_speedup: float = 1.03,
     plan: str | dict | None = None,
+    cache_dir: str | None = None,
     front_end: str = "auto",
     profile: bool = True,
     progress: bool = True,
@@ -64,6 +68,8 @@ def optimize(
         device: "cpu", "cuda", "npu" or a Backend; default: where the model's parameters are.
         min_speedup: a rewrite must be at least this much faster (ratio) to be kept.
         plan: a plan (path or dict, from ``report.save``) to replay without measuring.
+        cache_dir: a decision cache: a plan made for the same graphs, input shapes, device,
+            versions and passes is replayed from here instead of measuring again.
         front_end: "auto" (symbolic_trace when it captures the whole model, else Dynamo),
             "fx" or "dynamo".
         profile: profile the step before and after once, for the report's operator tables.
@@ -94,7 +100,7 @@ def optimize(
         _check_optimizer_params(model, optimizer)
     settings = Settings(min_speedup=float(min_speedup), front_end=front_end,
                         gate=gate or GateSettings(), clock=clock, profile=profile, plan=plan,
-                        replace_optimizer=example_inputs is not None)
+                        replace_optimizer=example_inputs is not None, cache_dir=cache_dir)
 
     def run(args: tuple, kwargs: dict) -> Outcome:
         _check_input_devices(model, args, kwargs)
@@ -103,7 +109,9 @@ def optimize(
             training = False  # nothing to train: the step is the forward pass
         job = Job(model, args, kwargs, backend, training, optimizer, loss_fn, dtype)
         with _progress_to_stderr(progress):
-            return run_pipeline(job, chosen, settings)
+            if not distributed.is_multi_rank():
+                return run_pipeline(job, chosen, settings)
+            return _run_on_every_rank(job, chosen, settings)
 
     result = OptimizedModel(model, pending=run)
     if example_inputs is None:
@@ -113,6 +121,21 @@ def optimize(
     if optimizer is not None:
         return result, result._outcome.optimizer
     return result
+
+
+def _run_on_every_rank(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
+    """Rank 0 decides (or replays the user's plan); every other rank replays rank 0's plan."""
+    if distributed.rank() == 0:
+        outcome = run_pipeline(job, passes, settings)
+        distributed.share_plan(outcome.report.plan or {})
+        return outcome
+    plan = distributed.share_plan(None)
+    if not plan.get("kept_passes") and not plan.get("optimizer"):
+        report = Report(model=type(job.model).__name__, device=job.backend.name, mode=job.mode,
+                        dtype=None, final={"kept": False, "reason": "rank 0 kept no rewrite"})
+        return Outcome(report, None, [], True, PassContext(job.backend, job.training, job.dtype),
+                       job.optimizer)
+    return run_pipeline(job, passes, dataclasses.replace(settings, plan=plan, strict_plan=True))
 
 
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:

@@ -43,6 +43,8 @@ class Settings:
     profile: bool = True
     plan: Any = None
     replace_optimizer: bool = True  # False when optimize() already handed the optimizer back
+    cache_dir: str | None = None  # decision cache: plans by fingerprint
+    strict_plan: bool = False  # a plan that does not fit is an error (other ranks follow rank 0)
 
 
 @dataclass
@@ -64,7 +66,6 @@ def run_pipeline(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
     clock = settings.clock or WallClock(job.backend.synchronize)
     ctx = PassContext(job.backend, job.training, job.dtype)
     kept: list[Pass] = []
-    cap: Capture | None = None
     with preserved_state(job.model, job.optimizer, job.backend.rng_states()) as snapshot:
         reference = _reference_numerics(job)
         snapshot.restore()
@@ -73,6 +74,7 @@ def run_pipeline(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
         except CaptureError as e:
             report.front_end_reason = str(e)
             report.final = {"kept": False, "reason": f"capture failed: {e}"}
+            report.plan = plans.make_plan({}, [], [])
             log.warning("rewriter: %s; the original model will run", e)
             report.optimize_seconds = time.perf_counter() - started
             return Outcome(report, None, [], True, ctx)
@@ -80,47 +82,55 @@ def run_pipeline(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
         if isinstance(cap, DynamoCapture):
             cap.on_new_graph = lambda slot: replay_on_slot(slot, kept, ctx)
         fingerprint = _fingerprint(job, cap, passes)
-        plan = _plan_to_replay(settings.plan, fingerprint, report)
+        plan = _plan_to_replay(settings.plan, fingerprint, report, settings.strict_plan)
+        if plan is None and settings.cache_dir is not None:
+            plan = plans.cached_plan(settings.cache_dir, fingerprint)
+            if plan is not None:
+                report.plan_status = f"from the decision cache in {settings.cache_dir}"
         if plan is not None:
-            kept = _replay(plan, cap, job, ctx, reference, report)
+            kept[:] = _replay(plan, cap, job, ctx, reference, report)
+            fused_opt = _replay_optimizer(plan, job, report) if job.optimizer is not None else None
+            report.final = {"kept": bool(kept) or fused_opt is not None, "reason": "replayed plan (not measured)"}
+            use_original = False
         else:
-            for i, p in enumerate(passes, 1):
-                decision = _try_pass(p, cap, job, ctx, reference, kept, clock, settings)
-                snapshot.restore()
-                report.decisions.append(decision)
-                log.info("rewriter: [%d/%d] %s: %s: %s", i, len(passes), p.name, decision.status,
-                         decision.reason)
-                if decision.kept:
-                    kept.append(p)
-        fused_opt = None
-        if job.optimizer is not None and plan is None:
-            decision, fused_opt = _try_optimizer(job, clock, settings)
-            snapshot.restore()
-            report.decisions.append(decision)
-            log.info("rewriter: optimizer: %s: %s", decision.status, decision.reason)
-        use_original = not kept and fused_opt is None
-        if plan is not None:
-            report.final = {"kept": bool(kept), "reason": "replayed plan (not measured)"}
-        elif use_original:
-            report.final = {"kept": False, "reason": "no rewrite was kept"}
-        else:
+            kept[:] = _try_passes(passes, cap, job, ctx, reference, clock, settings, report, snapshot)
+            fused_opt = _try_optimizer(job, clock, settings, report, snapshot)
             use_original = not _final_check(job, cap, kept, fused_opt, clock, settings, report)
             snapshot.restore()
+        if use_original:
+            kept[:], fused_opt = [], None
         if settings.profile:
-            _profile(job, cap if kept else job.model, report, use_original,
-                     None if use_original else _fused_twin(job, fused_opt))
+            _profile(job, cap if kept else job.model, report, _fused_twin(job, fused_opt),
+                     optimized=bool(kept) or fused_opt is not None)
             snapshot.restore()
         report.graphs = len(cap.slots)
         report.plan = plans.make_plan(fingerprint, [p.name for p in kept],
-                                      [d.to_dict() for d in report.decisions])
+                                      [d.to_dict() for d in report.decisions],
+                                      fused_opt.description if fused_opt else None)
+    if settings.cache_dir is not None and plan is None:
+        plans.cache_plan(settings.cache_dir, fingerprint, report.plan)
     optimizer = job.optimizer
-    if fused_opt is not None and not use_original:
+    if fused_opt is not None:
         optimizer = fused_opt.switch(job.optimizer)  # after the snapshot: this change stays
         report.notes.append(f"optimizer: {fused_opt.description}")
     report.optimize_seconds = time.perf_counter() - started
     log.info("rewriter: done in %.1f s: %s", report.optimize_seconds, report.final.get("reason", ""))
-    model_kept = [] if use_original else kept
-    return Outcome(report, cap, model_kept, not model_kept, ctx, optimizer)
+    return Outcome(report, cap, list(kept), not kept, ctx, optimizer)
+
+
+def _try_passes(passes: list[Pass], cap: Capture, job: Job, ctx: PassContext, reference: dict,
+                clock: Clock, settings: Settings, report: Report, snapshot: Any) -> list[Pass]:
+    """The greedy loop: each pass is measured against the rewrites kept before it."""
+    kept: list[Pass] = []
+    for i, p in enumerate(passes, 1):
+        decision = _try_pass(p, cap, job, ctx, reference, kept, clock, settings)
+        snapshot.restore()
+        report.decisions.append(decision)
+        log.info("rewriter: [%d/%d] %s: %s: %s", i, len(passes), p.name, decision.status,
+                 decision.reason)
+        if decision.kept:
+            kept.append(p)
+    return kept
 
 
 def _reference_numerics(job: Job) -> dict[str, torch.Tensor]:
@@ -216,7 +226,11 @@ def _reject_all(cap: Capture) -> None:
 def _final_check(job: Job, cap: Capture, kept: list[Pass],
                  fused_opt: optimizers.OptimizerCandidate | None, clock: Clock, settings: Settings,
                  report: Report) -> bool:
-    """Measure original vs optimized once more: pairwise gains need not add up."""
+    """Measure original vs optimized once more: pairwise gains need not add up.
+    Returns True when the optimized step is faster (nothing kept: False, nothing measured)."""
+    if not kept and fused_opt is None:
+        report.final = {"kept": False, "reason": "no rewrite was kept"}
+        return False
     names = tuple(p.name for p in kept) + (("fuse_optimizer",) if fused_opt else ())
     optimized = job.step(cap if kept else job.model, optimizer=_fused_twin(job, fused_opt))
 
@@ -232,6 +246,20 @@ def _final_check(job: Job, cap: Capture, kept: list[Pass],
     return keep
 
 
+def _replay_optimizer(plan: dict, job: Job, report: Report) -> optimizers.OptimizerCandidate | None:
+    wanted = plan.get("optimizer")
+    if not wanted:
+        return None
+    found, _ = optimizers.candidates(job.optimizer, job.backend)
+    match = next((c for c in found if c.description == wanted), None)
+    if match is None:
+        raise PlanError(f"the plan switches the optimizer to {wanted}, which this optimizer "
+                        f"({type(job.optimizer).__name__}) on {job.backend.name} has no form of")
+    report.decisions.append(Decision("fuse_optimizer", True, "replayed", "from plan, not measured",
+                                     sites=[wanted]))
+    return match
+
+
 def _fused_twin(job: Job, cand: optimizers.OptimizerCandidate | None) -> torch.optim.Optimizer | None:
     return cand.twin(job.optimizer) if cand is not None else None
 
@@ -241,8 +269,19 @@ OPTIMIZER_STEPS = 5
 OPTIMIZER_TOLERANCE = Tolerance(rtol=1e-5, atol_scale=1e-6)
 
 
-def _try_optimizer(job: Job, clock: Clock, settings: Settings
-                   ) -> tuple[Decision, optimizers.OptimizerCandidate | None]:
+def _try_optimizer(job: Job, clock: Clock, settings: Settings, report: Report, snapshot: Any
+                   ) -> optimizers.OptimizerCandidate | None:
+    if job.optimizer is None:
+        return None
+    decision, chosen = _gate_optimizer(job, clock, settings)
+    snapshot.restore()
+    report.decisions.append(decision)
+    log.info("rewriter: optimizer: %s: %s", decision.status, decision.reason)
+    return chosen
+
+
+def _gate_optimizer(job: Job, clock: Clock, settings: Settings
+                    ) -> tuple[Decision, optimizers.OptimizerCandidate | None]:
     """Gate the fused forms of the job's optimizer on scratch copies; the first that passes wins."""
     found, why_none = optimizers.candidates(job.optimizer, job.backend)
     if not settings.replace_optimizer:
@@ -287,12 +326,12 @@ def _optimizer_numerics(optimizer: torch.optim.Optimizer, cand: optimizers.Optim
     return c.ok, c.describe(), c.max_abs_error
 
 
-def _profile(job: Job, run: Any, report: Report, use_original: bool,
-             optimizer: torch.optim.Optimizer | None) -> None:
+def _profile(job: Job, run: Any, report: Report, optimizer: torch.optim.Optimizer | None,
+             optimized: bool) -> None:
     activities = job.backend.profiler_activities()
     try:
         report.top_ops_before = profile_step(job.step(job.model), activities)
-        if not use_original:
+        if optimized:
             report.top_ops_after = profile_step(job.step(run, optimizer=optimizer), activities)
     except Exception as e:  # a profiler problem must not cost the user the optimization
         report.notes.append(f"profiling failed: {type(e).__name__}: {e}")
@@ -320,7 +359,7 @@ def _fingerprint(job: Job, cap: Capture, passes: list[Pass]) -> dict:
             "pass_versions": {p.name: p.version for p in passes}}
 
 
-def _plan_to_replay(source: Any, fingerprint: dict, report: Report) -> dict | None:
+def _plan_to_replay(source: Any, fingerprint: dict, report: Report, strict: bool) -> dict | None:
     if source is None:
         return None
     plan = plans.load_plan(source)
@@ -331,6 +370,9 @@ def _plan_to_replay(source: Any, fingerprint: dict, report: Report) -> dict | No
     expected["pass_versions"] = {k: expected.get("pass_versions", {}).get(k) for k in kept}
     actual["pass_versions"] = {k: actual["pass_versions"].get(k) for k in kept}
     mismatch = plans.fingerprint_mismatch(expected, actual)
+    if mismatch and strict:
+        raise PlanError("this rank's model or inputs differ from rank 0's, so it cannot run the "
+                        "same rewrites: " + "; ".join(mismatch))
     if mismatch:
         report.plan_status = "not applied, fingerprint differs (" + "; ".join(mismatch) + "); measured instead"
         log.warning("rewriter: plan not applied: %s", "; ".join(mismatch))
@@ -356,5 +398,6 @@ def _replay(plan: dict, cap: Capture, job: Job, ctx: PassContext, reference: dic
                                          max_abs_error=err, sites=sites))
         if ok:
             kept.append(p)
-    report.plan_status = f"replayed {[p.name for p in kept]} without measuring"
+    replayed = f"replayed {[p.name for p in kept]} without measuring"
+    report.plan_status = f"{report.plan_status}: {replayed}" if report.plan_status else replayed
     return kept

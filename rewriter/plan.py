@@ -36,9 +36,11 @@ def graph_hash(signatures: Iterable[list[str]]) -> str:
     return h.hexdigest()[:16]
 
 
-def make_plan(fingerprint: dict, kept: list[str], decisions: list[dict]) -> dict:
+def make_plan(fingerprint: dict, kept: list[str], decisions: list[dict],
+              optimizer: str | None = None) -> dict:
+    """``kept``: graph passes to apply in order; ``optimizer``: the fused optimizer form kept."""
     return {"format": PLAN_FORMAT, "fingerprint": fingerprint, "kept_passes": kept,
-            "decisions": decisions}
+            "optimizer": optimizer, "decisions": decisions}
 
 
 def load_plan(source: str | os.PathLike | dict) -> dict:
@@ -67,3 +69,30 @@ def fingerprint_mismatch(expected: dict, actual: dict) -> list[str]:
     """Names of fingerprint fields that differ, with both values."""
     return [f"{k}: plan has {expected.get(k)!r}, this run has {actual.get(k)!r}"
             for k in sorted(set(expected) | set(actual)) if expected.get(k) != actual.get(k)]
+
+
+def _cache_path(cache_dir: str | os.PathLike, fingerprint: dict) -> str:
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return os.path.join(cache_dir, f"plan-{key}.json")
+
+
+def cached_plan(cache_dir: str | os.PathLike, fingerprint: dict) -> dict | None:
+    """The plan decided before for exactly this fingerprint, or None (a corrupt entry is ignored)."""
+    path = _cache_path(cache_dir, fingerprint)
+    if not os.path.exists(path):
+        return None
+    try:
+        plan = load_plan(path)
+    except PlanError:
+        return None
+    return plan if plan["fingerprint"] == fingerprint else None
+
+
+def cache_plan(cache_dir: str | os.PathLike, fingerprint: dict, plan: dict) -> None:
+    """Store ``plan`` under its fingerprint; written whole then renamed, so readers never see half."""
+    os.makedirs(cache_dir, exist_ok=True)
+    path = _cache_path(cache_dir, fingerprint)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(plan, f, indent=2)
+    os.replace(tmp, path)

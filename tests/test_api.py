@@ -179,3 +179,31 @@ def test_reduced_pass_needs_dtype(attn):
     fast = _opt(model, (x,), passes=[Lossy("lossy")])
     d = fast.report.decisions[0]
     assert d.status == "not applicable" and "dtype" in d.reason
+
+
+def test_decision_cache_makes_the_second_optimize_replay(tmp_path, attn):
+    model, x = attn
+    first = _opt(model, (x,), cache_dir=str(tmp_path))
+    assert first.report.plan_status == "" and list(tmp_path.glob("plan-*.json"))
+    clock = ControlledClock(FAST)
+    second = _opt(model, (x,), cache_dir=str(tmp_path), clock=clock)
+    assert clock.calls == 0 and "decision cache" in second.report.plan_status
+    assert second.report.kept_passes == first.report.kept_passes == ["fuse_attention"]
+    other = _opt(model, (torch.randn(5, 16, 32),), cache_dir=str(tmp_path))
+    assert other.report.plan_status == ""  # other shapes: measured, cached beside
+    assert len(list(tmp_path.glob("plan-*.json"))) == 2
+
+
+def test_plan_records_and_replays_the_fused_optimizer(tmp_path, attn):
+    model, x = attn
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    costs = {**FAST, "fuse_optimizer": 0.3}
+    fast, opt = _opt(model, (x,), optimizer=opt, loss_fn=lambda o: o.mean(), clock=ControlledClock(costs))
+    assert fast.report.plan["optimizer"].startswith("torch.optim.AdamW(fused=True)")
+    fast.report.save(tmp_path)
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    again, opt2 = _opt(model, (x,), optimizer=opt2, loss_fn=lambda o: o.mean(),
+                       plan=str(tmp_path / "plan.json"))
+    assert opt2.param_groups[0]["fused"]
+    assert [d.status for d in again.report.decisions] == ["replayed", "replayed"]
