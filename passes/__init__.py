@@ -2,7 +2,26 @@
 
 Users pick passes by name (``optimize(model, passes=["fuse_attention"])``); each module's
 docstring says what it rewrites into what, when it is safe, its numeric contract and devices.
-"""
-from passes import fuse_linear, fuse_attention  # noqa: F401  (import registers)
+``passes/README.md`` has the table.
 
-__all__ = ["fuse_linear", "fuse_attention"]
+The order matters where one rewrite exposes or hides another: projections are merged first,
+then attention (its softmax must still be there), then norms and activations, then the
+layout and matmul forms.
+"""
+from passes import (  # noqa: F401  (import registers, in this order)
+    fuse_qkv_projections,
+    fuse_attention,
+    fuse_rms_norm,
+    fuse_layer_norm,
+    fuse_gelu,
+    fuse_swiglu,
+    fuse_rotary_embedding,
+    fuse_one_hot,
+    fuse_linear,
+    fuse_confusion_transpose,
+    fold_batch_norm,
+)
+
+__all__ = ["fuse_qkv_projections", "fuse_attention", "fuse_rms_norm", "fuse_layer_norm",
+           "fuse_gelu", "fuse_swiglu", "fuse_rotary_embedding", "fuse_one_hot", "fuse_linear",
+           "fuse_confusion_transpose", "fold_batch_norm"]

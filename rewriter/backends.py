@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,39 @@ class Backend:
         """(module, state) pairs of this device's generators, for snapshot and restore."""
         return []
 
+    # Kinds of fused replacement this backend emits (passes ask before matching).
+    fused_ops: frozenset[str] = frozenset()
+
+    def offers(self, kind: str) -> bool:
+        return kind in self.fused_ops
+
+    # --- simple fused ops: each returns the node whose value replaces the matched output ------
+    def emit_rms_norm(self, graph: Graph, x: Node, weight: Node | None, eps: float, dim: int) -> Node:
+        return graph.call_function(F.rms_norm, (x, (dim,), weight, eps))
+
+    def emit_layer_norm(self, graph: Graph, x: Node, weight: Node | None, bias: Node | None,
+                        eps: float, dim: int) -> Node:
+        return graph.call_function(F.layer_norm, (x, (dim,), weight, bias, eps))
+
+    def emit_gelu_tanh(self, graph: Graph, x: Node) -> Node:
+        return graph.call_function(F.gelu, (x,), {"approximate": "tanh"})
+
+    def emit_quick_gelu(self, graph: Graph, x: Node) -> Node:
+        raise NotImplementedError(f"{self.name} has no fused x*sigmoid(1.702x)")
+
+    def emit_swiglu(self, graph: Graph, packed: Node, dim: int) -> Node:
+        raise NotImplementedError(f"{self.name} has no fused SwiGLU")
+
+    def emit_geglu(self, graph: Graph, packed: Node, dim: int, approximate: str) -> Node:
+        raise NotImplementedError(f"{self.name} has no fused GeGLU")
+
+    def emit_rotary(self, graph: Graph, x: Node, cos: Node, sin: Node) -> Node:
+        raise NotImplementedError(f"{self.name} has no fused rotary embedding")
+
+    def emit_confusion_transpose(self, graph: Graph, x: Node, perm: list[int], shape: list[int],
+                                 transpose_first: bool) -> Node:
+        raise NotImplementedError(f"{self.name} has no fused transpose+reshape")
+
     # --- attention -----------------------------------------------------------------------------
     def cannot_fuse_attention(self, spec: AttentionSpec, training: bool) -> str | None:
         return "this backend has no fused attention"
@@ -102,7 +136,11 @@ class _SdpaAttention:
         return _emit_sdpa(graph, spec, spec.keep_mask if spec.keep_mask is not None else spec.additive_mask)
 
 
+_STOCK_TORCH_OPS = frozenset({"attention", "rms_norm", "layer_norm", "gelu_tanh"})
+
+
 class CpuBackend(_SdpaAttention, Backend):
+    fused_ops = _STOCK_TORCH_OPS
     name = "cpu"
     device_type = "cpu"
     amp_dtypes = (torch.bfloat16,)
@@ -112,6 +150,7 @@ class CpuBackend(_SdpaAttention, Backend):
 
 
 class CudaBackend(_SdpaAttention, Backend):
+    fused_ops = _STOCK_TORCH_OPS
     name = "cuda"
     device_type = "cuda"
     amp_dtypes = (torch.float16, torch.bfloat16)
@@ -152,6 +191,8 @@ class NpuBackend(Backend):
 
     name = "npu"
     device_type = "npu"
+    fused_ops = frozenset({"attention", "rms_norm", "layer_norm", "gelu_tanh", "quick_gelu",
+                           "swiglu", "geglu", "rotary", "confusion_transpose"})
     amp_dtypes = (torch.float16, torch.bfloat16)
     matmul_alignment = 16  # Cube unit fractal; 128 preferred for large dims (tuning guide)
 
@@ -179,6 +220,42 @@ class NpuBackend(Backend):
     def rng_states(self) -> list[tuple[Any, Any]]:
         mod = import_torch_npu()
         return [(mod.npu, mod.npu.get_rng_state_all())] if mod is not None else []
+
+    def _npu_call(self, graph: Graph, op: str, args: tuple, kwargs: dict | None = None,
+                  first_output: bool = False) -> Node:
+        # torch_npu.<op> is torch.ops.npu.<op>; tensors go positionally (schema names differ
+        # from the Chinese docs' names, reference §0.1).
+        node = graph.call_function(getattr(self._torch_npu(), op), args, kwargs or {})
+        return graph.call_function(operator.getitem, (node, 0)) if first_output else node
+
+    def emit_rms_norm(self, graph: Graph, x: Node, weight: Node | None, eps: float, dim: int) -> Node:
+        if weight is None:  # npu_rms_norm needs gamma (§1.3)
+            weight = graph.call_function(torch.ones, ((dim,),), {"dtype": torch.float32})
+        return self._npu_call(graph, "npu_rms_norm", (x, weight, eps), first_output=True)
+
+    def emit_gelu_tanh(self, graph: Graph, x: Node) -> Node:
+        return self._npu_call(graph, "npu_gelu", (x,), {"approximate": "tanh"})
+
+    def emit_quick_gelu(self, graph: Graph, x: Node) -> Node:
+        # x / (1 + exp(-1.702 x)) on A2/A3 (§1.8); an approximation of GELU on every SoC.
+        return self._npu_call(graph, "npu_fast_gelu", (x,))
+
+    def emit_swiglu(self, graph: Graph, packed: Node, dim: int) -> Node:
+        # silu(first half) * second half; needs a contiguous input (§1.6).
+        packed = graph.call_method("contiguous", (packed,))
+        return self._npu_call(graph, "npu_swiglu", (packed, dim))
+
+    def emit_geglu(self, graph: Graph, packed: Node, dim: int, approximate: str) -> Node:
+        # activate_left=False: GELU on the second half, the one reading all docs agree on (§1.7).
+        return self._npu_call(graph, "npu_geglu", (packed, dim, 0 if approximate == "none" else 1, False),
+                              first_output=True)
+
+    def emit_rotary(self, graph: Graph, x: Node, cos: Node, sin: Node) -> Node:
+        return self._npu_call(graph, "npu_rotary_mul", (x, cos, sin))
+
+    def emit_confusion_transpose(self, graph: Graph, x: Node, perm: list[int], shape: list[int],
+                                 transpose_first: bool) -> Node:
+        return self._npu_call(graph, "npu_confusion_transpose", (x, perm, shape, transpose_first))
 
     # Training uses npu_fusion_attention (FlashAttentionScore). Inference keeps SDPA with a
     # boolean mask: torch_npu already routes that to its fused kernels (§1.1), and
@@ -210,7 +287,6 @@ class NpuBackend(Backend):
                                  (spec.q, spec.k, spec.v, spec.q_shape[1], "BNSD"),
                                  {"atten_mask": atten_mask, "scale": spec.scale,
                                   "keep_prob": 1.0 - spec.dropout_p})
-        import operator
         return graph.call_function(operator.getitem, (fa, 0))
 
 

@@ -44,6 +44,24 @@ _FUNCTION_ALIASES: dict[str, tuple[Any, ...]] = {
     "full": (torch.full,),
     "tensor": (torch.tensor,),
     "scaled_dot_product_attention": (F.scaled_dot_product_attention,),
+    "pow": (torch.pow, operator.pow),
+    "mean": (torch.mean,),
+    "rsqrt": (torch.rsqrt,),
+    "sqrt": (torch.sqrt,),
+    "tanh": (torch.tanh, F.tanh),
+    "sigmoid": (torch.sigmoid, F.sigmoid),
+    "silu": (F.silu,),
+    "gelu": (F.gelu,),
+    "cat": (torch.cat, torch.concat),
+    "split": (torch.split,),
+    "chunk": (torch.chunk,),
+    "reshape": (torch.reshape,),
+    "one_hot": (F.one_hot,),
+    "batch_norm": (F.batch_norm,),
+    "conv": (F.conv1d, F.conv2d, F.conv3d),
+    "embedding": (F.embedding,),
+    "var": (torch.var,),
+    "getitem": (operator.getitem,),
 }
 _TARGET_TO_NAME = {t: name for name, targets in _FUNCTION_ALIASES.items() for t in targets}
 # Tensor methods whose name differs from the canonical op name.
@@ -133,6 +151,52 @@ def annotate_tensor_info(gm: GraphModule, args: tuple, kwargs: dict) -> None:
     _InfoRecorder(gm).run(*flat)
 
 
+def static_number(value: Any) -> float | None:
+    """A Python number, or a node that is a static scalar (``torch.full([], c)``, ``torch.tensor(c)``)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if is_op(value, "full") and tuple(arg(value, 0, "size", (1,))) == () \
+            and isinstance(arg(value, 1, "fill_value"), (int, float)):
+        return float(arg(value, 1, "fill_value"))
+    if is_op(value, "tensor") and value.args and isinstance(value.args[0], (int, float)):
+        return float(value.args[0])
+    return None
+
+
+_CASTS = ("to", "type", "type_as", "float")
+
+
+def is_cast(node: Any) -> bool:
+    return is_op(node, *_CASTS)
+
+
+def is_noop_cast(node: Any) -> bool:
+    """A cast whose output has its input's dtype (a fp32 model's ``.to(torch.float32)``)."""
+    if not is_cast(node):
+        return False
+    a, b = tensor_info(node), tensor_info(node.args[0])
+    return a is not None and b is not None and a.dtype == b.dtype
+
+
+def single_user(node: Any, user: Node | None = None) -> bool:
+    """``node`` has exactly one user (``user``, when given)."""
+    return isinstance(node, Node) and len(node.users) == 1 and (user is None or user in node.users)
+
+
+def is_parameter_like(value: Any) -> bool:
+    """A graph input or an attribute read (fx ``get_attr``, Dynamo's lifted parameters)."""
+    return not isinstance(value, Node) or value.op in ("get_attr", "placeholder")
+
+
+def hoist_reads(anchor: Node, values: Iterable[Any]) -> None:
+    """Move the ``get_attr`` nodes among ``values`` before ``anchor`` (reads have no side
+    effects), so code inserted before ``anchor`` may use them."""
+    order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    for v in values:
+        if isinstance(v, Node) and v.op == "get_attr" and order[v] > order[anchor]:
+            anchor.prepend(v)
+
+
 def users_are_only(node: Node, allowed: Iterable[Node]) -> bool:
     """True when every user of ``node`` is in ``allowed`` (safe to delete along with them)."""
     allowed = set(allowed)
@@ -140,10 +204,16 @@ def users_are_only(node: Node, allowed: Iterable[Node]) -> bool:
 
 
 def erase_if_unused(graph: Graph, nodes: Iterable[Node]) -> None:
-    """Erase ``nodes`` (given producer-first) that no longer have users, consumers first."""
-    for n in reversed(list(nodes)):
-        if n.graph is graph and not n.users:
-            graph.erase_node(n)
+    """Erase those of ``nodes`` left without users (in any order: erasing one may free another)."""
+    pending = [n for n in dict.fromkeys(nodes) if n.graph is graph]
+    changed = True
+    while changed:
+        changed = False
+        for n in list(pending):
+            if not n.users:
+                graph.erase_node(n)
+                pending.remove(n)
+                changed = True
 
 
 def copy_graph_module(gm: GraphModule) -> GraphModule:

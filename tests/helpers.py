@@ -41,7 +41,8 @@ def outputs_and_grads(fn, args, params, kwargs=None):
     gen = torch.Generator().manual_seed(1)
     loss = sum((t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum() for t in flat)
     loss.backward()
-    grads = [p.grad.clone() for p in params] + [a.grad.clone() for a in args
+    # A parameter the output does not depend on has no gradient: compare it as zeros.
+    grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params] + [a.grad.clone() for a in args
                                                  if isinstance(a, torch.Tensor) and a.grad is not None]
     for p in params:
         p.grad = None

@@ -80,6 +80,8 @@ def as_module() -> types.ModuleType:
     mod = types.ModuleType("torch_npu")
     mod.__version__ = __version__
     mod.npu_fusion_attention = npu_fusion_attention
+    for op in _FUSED_OPS:
+        setattr(mod, op.__name__, op)
     mod.npu = npu
     mod.profiler = profiler
     mod.optim = optim
@@ -109,3 +111,336 @@ class NpuFusedAdamW(torch.optim.AdamW):
 
 
 optim = types.SimpleNamespace(NpuFusedAdamW=NpuFusedAdamW)
+
+
+# --- torch_npu.profiler (reference §3) ---------------------------------------------------------
+# The documented constructor, schedule, trace handler and experimental config, delegating the
+# collection to torch.profiler on the CPU. The handler writes the documented output layout
+# (§3.2) with the documented CSV columns (§3.3), filled from the CPU profile: the shim's
+# "device" is the CPU, so device durations equal host durations. Kernel "Accelerator Core" is a
+# stand-in rule, not CANN's: a leaf op with an int64 data input runs on AI_CPU (as TensorEqual
+# int64 does, §4.1) unless it is an indexing op (int64 indices are normal there), else AI_CORE.
+
+import csv  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+
+class ProfilerLevel:
+    Level_none = "Level_none"
+    Level0 = "Level0"
+    Level1 = "Level1"
+    Level2 = "Level2"
+
+
+class AiCMetrics:
+    AiCoreNone = "AiCoreNone"
+    PipeUtilization = "PipeUtilization"
+    ArithmeticUtilization = "ArithmeticUtilization"
+    Memory = "Memory"
+    MemoryL0 = "MemoryL0"
+    ResourceConflictRatio = "ResourceConflictRatio"
+    MemoryUB = "MemoryUB"
+    L2Cache = "L2Cache"
+    MemoryAccess = "MemoryAccess"
+
+
+class ExportType:
+    Text = "text"
+    Db = "db"
+
+
+_LEVELS = (ProfilerLevel.Level_none, ProfilerLevel.Level0, ProfilerLevel.Level1, ProfilerLevel.Level2)
+
+
+class _ExperimentalConfig:
+    """Documented keywords and defaults (§3.1); aic_metrics reset to AiCoreNone at Level0/none."""
+
+    def __init__(self, profiler_level=ProfilerLevel.Level0, aic_metrics=AiCMetrics.PipeUtilization,
+                 l2_cache=False, msprof_tx=False, mstx=False, data_simplification=True,
+                 record_op_args=False, op_attr=False, gc_detect_threshold=None,
+                 export_type=ExportType.Text, host_sys=None, mstx_domain_include=None,
+                 mstx_domain_exclude=None, sys_io=False, sys_interconnection=False):
+        if profiler_level not in _LEVELS:
+            raise ValueError(f"shim: unknown profiler_level {profiler_level!r}")
+        if profiler_level in (ProfilerLevel.Level0, ProfilerLevel.Level_none):
+            aic_metrics = AiCMetrics.AiCoreNone
+        self.profiler_level = profiler_level
+        self.aic_metrics = aic_metrics
+        self.mstx = mstx or profiler_level == ProfilerLevel.Level_none
+        self.data_simplification = data_simplification
+        self.record_op_args = record_op_args
+        self.export_type = export_type if export_type in (ExportType.Text, ExportType.Db) else ExportType.Text
+        self.l2_cache, self.msprof_tx, self.op_attr = l2_cache, msprof_tx, op_attr
+        self.gc_detect_threshold, self.host_sys = gc_detect_threshold, host_sys
+        self.sys_io, self.sys_interconnection = sys_io, sys_interconnection
+
+
+def schedule(wait, active, warmup=0, repeat=0, skip_first=0, skip_first_wait=0):
+    """torch_npu's argument order: (wait, active, warmup, ...)."""
+    return torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=repeat,
+                                   skip_first=skip_first, skip_first_wait=skip_first_wait)
+
+
+class _ShimProfile:
+    """``torch_npu.profiler.profile``: keyword-only, as documented (§3.1)."""
+
+    def __init__(self, *, activities=None, schedule=None, on_trace_ready=None, record_shapes=False,
+                 profile_memory=False, with_stack=False, with_flops=False, with_modules=False,
+                 experimental_config=None, execution_trace_observer=None,
+                 custom_trace_id_callback=None, use_cuda=None):
+        activities = list(activities) if activities is not None else [_Activity.CPU, _Activity.NPU]
+        if any(a not in (_Activity.CPU, _Activity.NPU) for a in activities):
+            raise TypeError(f"shim: activities must be torch_npu.profiler.ProfilerActivity, got {activities}")
+        if experimental_config is not None and not isinstance(experimental_config, _ExperimentalConfig):
+            raise TypeError("shim: experimental_config must be torch_npu.profiler._ExperimentalConfig")
+        self.activities = activities
+        self.experimental_config = experimental_config or _ExperimentalConfig()
+        if self.experimental_config.export_type != ExportType.Text:
+            raise NotImplementedError("shim: only ExportType.Text output is written")
+        self.record_shapes, self.profile_memory, self.with_stack = record_shapes, profile_memory, with_stack
+        self.scheduled = schedule is not None
+        self._torch = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule,
+            on_trace_ready=(lambda _: on_trace_ready(self)) if on_trace_ready else None,
+            record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
+            with_flops=with_flops, with_modules=with_modules)
+
+    def start(self):
+        self._torch.start()
+
+    def stop(self):
+        self._torch.stop()
+
+    def step(self):
+        self._torch.step()
+
+    def __enter__(self):
+        self._torch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._torch.__exit__(*exc)
+
+    def export_chrome_trace(self, path):
+        return self._torch.export_chrome_trace(path)
+
+
+def tensorboard_trace_handler(dir_name=None, worker_name=None, analyse_flag=True, async_mode=False):
+    """Writes ``{dir}/{worker}_{timestamp}_ascend_pt/`` (§3.2) when a profiling cycle ends."""
+    def handler(prof):
+        worker = worker_name or f"{socket.gethostname()}_{os.getpid()}"
+        stamp = time.strftime("%Y%m%d%H%M%S") + f"{int(time.time() * 1000) % 1000:03d}"
+        root = os.path.join(dir_name or ".", f"{worker}_{stamp}_ascend_pt")
+        while os.path.exists(root):  # two cycles within one millisecond
+            root += "_"
+        for sub in ("ASCEND_PROFILER_OUTPUT", "FRAMEWORK", "logs"):
+            os.makedirs(os.path.join(root, sub), exist_ok=True)
+        with open(os.path.join(root, "profiler_info_0.json"), "w") as f:
+            json.dump({"config": {"common_config": {"activities": [str(a) for a in prof.activities]},
+                                  "experimental_config": vars(prof.experimental_config)}}, f, default=str)
+        with open(os.path.join(root, "profiler_metadata.json"), "w") as f:
+            json.dump({"ENV_VARIABLES": {}}, f)
+        if analyse_flag:
+            _write_ascend_output(prof, os.path.join(root, "ASCEND_PROFILER_OUTPUT"))
+    return handler
+
+
+_INDEXING = {"embedding", "index_select", "gather", "index", "index_put_", "scatter", "scatter_",
+             "scatter_add_", "embedding_dense_backward", "take", "masked_select", "nonzero"}
+_DTYPES = {"float": "FLOAT", "c10::Half": "FLOAT16", "c10::BFloat16": "BF16", "double": "DOUBLE",
+           "long int": "INT64", "int": "INT32", "bool": "BOOL", "signed char": "INT8",
+           "unsigned char": "UINT8", "short int": "INT16"}
+
+
+def _shapes(shapes):
+    return ";".join(",".join(str(d) for d in s) for s in shapes)
+
+
+def _write_ascend_output(prof, out):
+    events = [e for e in prof._torch.events() if e.name.startswith("aten::")]
+    _write_operator_details(events, out)
+    _write_kernel_details(events, out, prof.record_shapes, prof.scheduled)
+    trace = _write_trace_view(prof._torch, out)
+    if prof.profile_memory:
+        _write_operator_memory(trace, out)
+
+
+def _write_csv(path, header, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+
+
+def _write_operator_details(events, out):
+    header = ["Name", "Input Shapes", "Call Stack", "Host Self Duration(us)", "Host Total Duration(us)",
+              "Device Self Duration(us)", "Device Total Duration(us)",
+              "Device Self Duration With AICore(us)", "Device Total Duration With AICore(us)"]
+    rows = []
+    for e in events:
+        self_us, total_us = e.self_cpu_time_total, e.cpu_time_total
+        rows.append([e.name, _shapes(e.input_shapes or []), ";".join(e.stack or []),
+                     f"{self_us:.3f}", f"{total_us:.3f}", f"{self_us:.3f}", f"{total_us:.3f}",
+                     f"{self_us:.3f}", f"{total_us:.3f}"])
+    _write_csv(os.path.join(out, "operator_details.csv"), header, rows)
+
+
+def _accelerator_core(op_type, dtypes):
+    if op_type not in _INDEXING and "INT64" in dtypes:
+        return "AI_CPU"
+    return "AI_CORE"
+
+
+def _write_kernel_details(events, out, record_shapes, scheduled):
+    leaves = [e for e in events if not any(c.name.startswith("aten::") for c in e.cpu_children)]
+    header = (["Step Id"] if scheduled else []) + [
+        "Device_id", "Name", "Type", "Accelerator Core", "Start Time(us)", "Duration(us)",
+        "Wait Time(us)", "Block Num"]
+    if record_shapes:
+        header += ["Input Shapes", "Input Data Types", "Input Formats", "Output Shapes",
+                   "Output Data Types", "Output Formats"]
+    rows, stats = [], {}
+    for i, e in enumerate(leaves):
+        op_type = e.name[len("aten::"):]
+        dtypes = [_DTYPES.get(d, d.upper()) for d in (e.input_dtypes or []) if d and d != "Scalar"]
+        core = _accelerator_core(op_type, dtypes)
+        row = ([1] if scheduled else []) + [0, f"{op_type}_{i}", op_type, core, f"{e.time_range.start:.3f}",
+                                            f"{e.self_cpu_time_total:.3f}", "0", 1]
+        if record_shapes:
+            row += [_shapes(e.input_shapes or []), ";".join(dtypes), ";".join("ND" for _ in dtypes),
+                    "", "", ""]
+        rows.append(row)
+        stats.setdefault((op_type, core), []).append(e.self_cpu_time_total)
+    _write_csv(os.path.join(out, "kernel_details.csv"), header, rows)
+    total = sum(sum(v) for v in stats.values()) or 1.0
+    _write_csv(os.path.join(out, "op_statistic.csv"),
+               ["Device_id", "OP Type", "Core Type", "Count", "Total Time(us)", "Avg Time(us)",
+                "Min Time(us)", "Max Time(us)", "Ratio(%)"],
+               [[0, t, c, len(v), f"{sum(v):.3f}", f"{sum(v) / len(v):.3f}", f"{min(v):.3f}",
+                 f"{max(v):.3f}", f"{100 * sum(v) / total:.2f}"] for (t, c), v in stats.items()])
+
+
+def _write_trace_view(torch_prof, out):
+    """The Chrome trace, with ``ts`` a string of microseconds with 3 decimals (§3.3)."""
+    fd, tmp = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        torch_prof.export_chrome_trace(tmp)
+        with open(tmp) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.remove(tmp)
+    for e in events:
+        if "ts" in e:
+            e["ts"] = f"{float(e['ts']):.3f}"
+    with open(os.path.join(out, "trace_view.json"), "w") as f:
+        json.dump(events, f)
+    return events
+
+
+def _write_operator_memory(events, out):
+    """One row per allocation seen in the trace's memory events, with the allocator totals."""
+    header = ["Name", "Size(KB)", "Allocation Time(us)", "Release Time(us)", "Active Release Time(us)",
+              "Duration(us)", "Active Duration(us)", "Allocation Total Allocated(MB)",
+              "Allocation Total Reserved(MB)", "Allocation Total Active(MB)",
+              "Release Total Allocated(MB)", "Release Total Reserved(MB)", "Release Total Active(MB)",
+              "Stream Ptr", "Device Type"]
+    live, rows = {}, []
+    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: float(e["ts"])):
+        args = e["args"]
+        total_mb = args["Total Allocated"] / 2**20
+        if args["Bytes"] > 0:
+            live[args["Addr"]] = (args["Bytes"], float(e["ts"]), total_mb)
+        elif args["Addr"] in live:
+            size, t0, at_alloc = live.pop(args["Addr"])
+            t1 = float(e["ts"])
+            rows.append(_memory_row(size, t0, at_alloc, t1, total_mb))
+    rows += [_memory_row(size, t0, at_alloc, None, None) for size, t0, at_alloc in live.values()]
+    _write_csv(os.path.join(out, "operator_memory.csv"), header, rows)
+
+
+def _memory_row(size, t0, at_alloc, t1, at_release):
+    """Name is left empty: the shim does not attribute allocations to operators."""
+    released = t1 is not None
+    return ["", f"{size / 1024:.3f}", f"{t0:.3f}", f"{t1:.3f}" if released else "",
+            f"{t1:.3f}" if released else "", f"{t1 - t0:.3f}" if released else "",
+            f"{t1 - t0:.3f}" if released else "", f"{at_alloc:.6f}", "0", f"{at_alloc:.6f}",
+            f"{at_release:.6f}" if released else "", "0" if released else "",
+            f"{at_release:.6f}" if released else "", "", "NPU:0"]
+
+
+profiler.ProfilerLevel = ProfilerLevel
+profiler.AiCMetrics = AiCMetrics
+profiler.ExportType = ExportType
+profiler._ExperimentalConfig = _ExperimentalConfig
+profiler.schedule = schedule
+profiler.profile = _ShimProfile
+profiler.tensorboard_trace_handler = tensorboard_trace_handler
+
+
+# --- fused element-wise ops (reference §1.3-1.10), documented formulas in plain torch --------
+
+def npu_rms_norm(x, gamma, epsilon=1e-6):
+    dims = tuple(range(x.ndim - gamma.ndim, x.ndim))
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + epsilon)
+    return (xf * rstd * gamma.float()).to(x.dtype), rstd
+
+
+def npu_gelu(x, *, approximate="none"):
+    return torch.nn.functional.gelu(x, approximate=approximate)
+
+
+def npu_fast_gelu(x):
+    return x / (1 + torch.exp(-1.702 * x))  # the A2/A3 formula
+
+
+def npu_swiglu(x, dim=-1):
+    if not x.is_contiguous():
+        raise RuntimeError("npu_swiglu: non-contiguous input is not supported")
+    a, b = x.chunk(2, dim)
+    return torch.nn.functional.silu(a) * b
+
+
+def npu_geglu(x, dim=-1, approximate=1, activate_left=False):
+    a, b = x.chunk(2, dim)
+    mode = "tanh" if approximate == 1 else "none"
+    if activate_left:
+        gelu = torch.nn.functional.gelu(a, approximate=mode)
+        return gelu * b, gelu
+    gelu = torch.nn.functional.gelu(b, approximate=mode)
+    return a * gelu, gelu
+
+
+def npu_rotary_mul(x, r1, r2, rotary_mode="half"):
+    if rotary_mode != "half":
+        raise NotImplementedError("shim: only rotary_mode='half'")
+    x1, x2 = x.chunk(2, -1)
+    return x * r1 + torch.cat((-x2, x1), -1) * r2
+
+
+def npu_confusion_transpose(x, perm, shape, transpose_first):
+    if transpose_first:
+        return x.permute(perm).reshape(shape)
+    return x.reshape(shape).permute(perm)
+
+
+_FUSED_OPS = (npu_rms_norm, npu_gelu, npu_fast_gelu, npu_swiglu, npu_geglu, npu_rotary_mul,
+              npu_confusion_transpose)
+
+
+# --- AOE dump switch (reference §5) ------------------------------------------------------------
+
+def set_aoe(dump_path):
+    """Documented: creates ``dump_path`` if missing and turns on operator-graph dumping into it.
+    The shim dumps nothing; it records the path (``npu.aoe_dump_paths``) for the tests."""
+    os.makedirs(dump_path, exist_ok=True)
+    npu.aoe_dump_paths.append(dump_path)
+
+
+npu.set_aoe = set_aoe
+npu.aoe_dump_paths = []

@@ -15,5 +15,5 @@ def test_demo_runs_and_writes_report(tmp_path, capsys, monkeypatch):
     assert "# rewriter report: TunedBlock" in out and "fuse_attention" in out
     report = json.loads((tmp_path / "report.json").read_text())
     sites = {d["pass_name"]: len(d["sites"]) for d in report["decisions"]}
-    assert sites == {"fuse_linear": 1, "fuse_attention": 1}
+    assert sites["fuse_linear"] == 1 and sites["fuse_attention"] == 1
     assert (tmp_path / "plan.json").exists()
