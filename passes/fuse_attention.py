@@ -36,11 +36,11 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from rewriter.backends import AttentionSpec
-from rewriter.ir import arg, erase_if_unused, is_op, mark_new_node, op_name, tensor_info
+from rewriter.ir import (CAST_OPS, arg, erase_if_unused, is_op, mark_new_node, op_name,
+                         single_user, static_number, static_tensor, tensor_info)
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 _VERY_NEGATIVE = -1e4
-_CASTS = ("to", "type", "type_as", "float")
 
 
 @dataclass
@@ -53,20 +53,9 @@ class AttentionMatch:
     scale_factors: list = field(default_factory=list)  # (number or host-scalar node, divides)
 
 
-def _number(node: Any) -> float | None:
-    """A Python number, or a node that is a static scalar (``torch.full([], c)``, ``torch.tensor(c)``)."""
-    if isinstance(node, (int, float)) and not isinstance(node, bool):
-        return float(node)
-    if is_op(node, "full") and tuple(arg(node, 0, "size", (1,))) == () and isinstance(arg(node, 1, "fill_value"), (int, float)):
-        return float(arg(node, 1, "fill_value"))
-    if is_op(node, "tensor") and isinstance(node.args[0] if node.args else None, (int, float)):
-        return float(node.args[0])
-    return None
-
-
 def _scalar(node: Any) -> float | Node | None:
     """A static number, or a node computing a Python number on the host (fx: from shapes)."""
-    c = _number(node)
+    c = static_number(node)
     if c is not None:
         return c
     if isinstance(node, Node) and isinstance(node.meta.get("host_scalar"), (int, float)):
@@ -74,19 +63,11 @@ def _scalar(node: Any) -> float | Node | None:
     return None
 
 
-def _single_user(node: Node, user: Node) -> bool:
-    return len(node.users) == 1 and user in node.users
-
-
 def _broadcasts(mask: Any, scores_shape: tuple[int, ...]) -> bool:
     info = tensor_info(mask)
     if info is None or info.ndim > len(scores_shape):
         return False
     return all(m in (1, s) for m, s in zip(reversed(info.shape), reversed(scores_shape)))
-
-
-def _softmax_dtype(node: Node) -> Any:
-    return arg(node, 3 if node.target is F.softmax else 2, "dtype")
 
 
 def _match(out: Node) -> tuple[AttentionMatch | None, str]:
@@ -99,8 +80,8 @@ def _match(out: Node) -> tuple[AttentionMatch | None, str]:
     chain: list[Node] = []
     dropout_p, node, consumer = 0.0, probs, out
     # peel: dropout and no-op casts after the softmax
-    while is_op(node, "dropout", *_CASTS):
-        if not _single_user(node, consumer):
+    while is_op(node, "dropout", *CAST_OPS):
+        if not single_user(node, consumer):
             return None, f"{node.name} has other users"
         if op_name(node) == "dropout":
             if arg(node, 3, "inplace", False):
@@ -119,14 +100,14 @@ def _match(out: Node) -> tuple[AttentionMatch | None, str]:
     dim = arg(softmax, 1, "dim")
     if dim is None or dim % s_info.ndim != s_info.ndim - 1:
         return None, "softmax is not over the last dimension"
-    if not _single_user(softmax, consumer):
+    if not single_user(softmax, consumer):
         return None, "the attention probabilities have other users"
     chain.append(softmax)
     keep_mask = additive = fill_mask = None
     scale_factors: list[tuple[float | Node, bool]] = []  # (factor, divides)
     node, consumer = scores, softmax
     while True:
-        if not isinstance(node, Node) or not _single_user(node, consumer):
+        if not isinstance(node, Node) or not single_user(node, consumer):
             return None, f"{getattr(node, 'name', node)} has other users"
         name = op_name(node)
         if name == "add" and additive is None and keep_mask is None and fill_mask is None:
@@ -174,12 +155,79 @@ def _match(out: Node) -> tuple[AttentionMatch | None, str]:
     if additive is not None and tensor_info(additive).dtype not in (q_info.dtype, torch.bool):
         return None, f"additive mask dtype {tensor_info(additive).dtype} differs from q's {q_info.dtype}"
     k_shape = kt_info.shape[:-2] + (kt_info.shape[-1], kt_info.shape[-2])
+    bool_of_additive = _keep_of_additive(additive)
+    keep = keep_mask if keep_mask is not None else (
+        bool_of_additive if fill_mask is None else _inverted_source(fill_mask))
+    causal = s_info.shape[-1] == s_info.shape[-2] and keep is not None and \
+        is_causal_keep_mask(keep[1] if isinstance(keep, tuple) else keep)
     spec = AttentionSpec(q=q, k=k, v=v, scale=_fold_scale(scale_factors), dropout_p=dropout_p,
                          keep_mask=keep_mask if keep_mask is not None else fill_mask,
-                         additive_mask=additive, bool_of_additive=_keep_of_additive(additive),
-                         q_shape=q_info.shape, k_shape=k_shape, v_shape=v_info.shape, dtype=q_info.dtype)
+                         additive_mask=additive, bool_of_additive=bool_of_additive,
+                         q_shape=q_info.shape, k_shape=k_shape, v_shape=v_info.shape, dtype=q_info.dtype,
+                         is_causal=causal,
+                         k_grouped=_before_repeat_kv(k), v_grouped=_before_repeat_kv(v))
+    if spec.k_grouped is None or spec.v_grouped is None:
+        spec.k_grouped = spec.v_grouped = None
     return AttentionMatch(out, spec, k_needs_transpose, fill_mask is not None, chain,
                           scale_factors), ""
+
+
+# --- mask and layout facts -------------------------------------------------------------------
+
+def is_causal_keep_mask(keep: Node) -> bool:
+    """True when the boolean keep mask is exactly lower-triangular (key j visible iff j <= i).
+
+    Two spellings are recognised: transformers' ``kv_idx <= q_idx`` built from two aranges (its
+    causal mask without padding), and a ``tril`` buffer of ones read with ``get_attr`` (fx) whose
+    value is checked, possibly sliced ``[:t, :t]``.
+    """
+    node = keep
+    while is_op(node, "expand") or (is_op(node, "getitem") and _leading_slices(node.args[1])):
+        node = node.args[0]
+    if is_op(node, "le") or (isinstance(node, Node) and node.target in (operator.le, torch.le)):
+        kv, q = node.args[:2]
+        return _arange_index(kv, last=True) and _arange_index(q, last=False)
+    value = static_tensor(node)
+    return value is not None and value.dtype == torch.bool and value.ndim == 2 \
+        and torch.equal(value, torch.ones_like(value).tril())
+
+
+def _leading_slices(index: Any) -> bool:
+    """An index of plain ``a:b`` slices from the start (``buf[:t, :t]``, ``mask[:, :, :, :S]``)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1) for i in items)
+
+
+def _arange_index(node: Any, last: bool) -> bool:
+    """``arange(n)[None, None, None, :]`` (last) or ``arange(n)[None, None, :, None]``."""
+    if not is_op(node, "getitem"):
+        return False
+    index = node.args[1]
+    want = (None, None, None, slice(None)) if last else (None, None, slice(None), None)
+    if index != want:
+        return False
+    src = node.args[0]
+    if is_op(src, "add") and static_number(src.args[1]) == 0:
+        src = src.args[0]
+    return isinstance(src, Node) and src.target is torch.arange and len(src.args) == 1 \
+        and isinstance(src.args[0], int) and not src.kwargs.get("dtype")
+
+
+def _before_repeat_kv(node: Node) -> Node | None:
+    """``x`` when ``node`` is transformers' ``repeat_kv(x)``: ``x[:, :, None].expand(...).reshape(...)``."""
+    if not is_op(node, "reshape"):
+        return None
+    expand = node.args[0]
+    if not (is_op(expand, "expand") and single_user(expand, node)):
+        return None
+    unsq = expand.args[0]
+    if not (is_op(unsq, "getitem") and unsq.args[1] == (slice(None), slice(None), None, slice(None), slice(None))):
+        return None
+    src = unsq.args[0]
+    info, out = tensor_info(src), tensor_info(node)
+    if info is None or out is None or info.ndim != 4 or out.shape[1] % info.shape[1]:
+        return None
+    return src
 
 
 def _fold_scale(factors: list[tuple[float | Node, bool]]) -> float | None:
@@ -282,7 +330,7 @@ def _keep_of_additive(mask: Node | None) -> Node | None:
         return None
     cond, zero, neg = node.args
     cond_info, where_info = tensor_info(cond), tensor_info(node)
-    if not (_number(zero) == 0.0 or _is_scalar_zeros(zero)) or not isinstance(neg, (int, float)) or neg > _VERY_NEGATIVE or not _is_bool(cond):
+    if not (static_number(zero) == 0.0 or _is_scalar_zeros(zero)) or not isinstance(neg, (int, float)) or neg > _VERY_NEGATIVE or not _is_bool(cond):
         return None
     if cond_info is None or where_info is None or cond_info.shape != where_info.shape:
         return None
@@ -291,12 +339,18 @@ def _keep_of_additive(mask: Node | None) -> Node | None:
     return cond
 
 
+def _inverted_source(mask: Node) -> Node | None:
+    """``x`` when ``mask`` is written ``~x`` (or ``logical_not``/``bitwise_not`` of it)."""
+    if (mask.op == "call_function" and mask.target in (operator.invert, torch.logical_not, torch.bitwise_not)) \
+            or (mask.op == "call_method" and mask.target in ("logical_not", "bitwise_not", "__invert__")):
+        return mask.args[0]
+    return None
+
+
 def _negated(graph: Any, fill_mask: Node) -> Node:
     """The keep mask for a fill mask: ``x`` itself when the fill mask was written ``~x``."""
-    if (fill_mask.op == "call_function" and fill_mask.target in (operator.invert, torch.logical_not, torch.bitwise_not)) \
-            or (fill_mask.op == "call_method" and fill_mask.target in ("logical_not", "bitwise_not", "__invert__")):
-        return fill_mask.args[0]
-    return graph.call_function(torch.logical_not, (fill_mask,))
+    source = _inverted_source(fill_mask)
+    return source if source is not None else graph.call_function(torch.logical_not, (fill_mask,))
 
 
 class FuseAttention(Pass):
@@ -314,8 +368,10 @@ class FuseAttention(Pass):
             if reason is not None:
                 continue
             s = match.spec
-            mask = "additive mask" if s.additive_mask is not None else (
+            mask = "causal" if s.is_causal else "additive mask" if s.additive_mask is not None else (
                 "boolean mask" if s.keep_mask is not None else "no mask")
+            if s.k_grouped is not None:
+                mask += ", grouped k/v"
             scale = f"{s.scale:.4g}" if s.scale is not None else "computed at run time"
             sites.append(Site(node, f"{node.name}: q{list(s.q_shape)} k{list(s.k_shape)}, {mask}, "
                                     f"scale {scale}, dropout {s.dropout_p:g}", match))
@@ -330,7 +386,7 @@ class FuseAttention(Pass):
                 spec = dataclasses.replace(spec, scale=_emit_scale(graph, m.scale_factors))
                 if m.k_needs_transpose:
                     spec = dataclasses.replace(spec, k=graph.call_function(torch.transpose, (spec.k, -2, -1)))
-                if m.mask_needs_not:
+                if m.mask_needs_not and not spec.is_causal:
                     spec = dataclasses.replace(spec, keep_mask=_negated(graph, spec.keep_mask))
                 if isinstance(spec.bool_of_additive, tuple):
                     _, cond, index = spec.bool_of_additive

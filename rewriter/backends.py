@@ -47,6 +47,11 @@ class AttentionSpec:
     k_shape: tuple[int, ...] = ()
     v_shape: tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32
+    # The mask is exactly "key j visible from query i iff j <= i" (L == S): no mask tensor needed.
+    is_causal: bool = False
+    # Grouped-query attention: k and v before repeat_kv (fewer heads), when the graph repeated them.
+    k_grouped: Node | None = None
+    v_grouped: Node | None = None
 
 
 class Backend:
@@ -118,7 +123,10 @@ class Backend:
 
 
 def _emit_sdpa(graph: Graph, spec: AttentionSpec, mask: Node | None) -> Node:
-    kwargs: dict[str, Any] = {"attn_mask": mask, "dropout_p": spec.dropout_p, "scale": spec.scale}
+    kwargs: dict[str, Any] = {"attn_mask": None if spec.is_causal else mask,
+                              "dropout_p": spec.dropout_p, "scale": spec.scale}
+    if spec.is_causal:
+        kwargs["is_causal"] = True
     return graph.call_function(F.scaled_dot_product_attention, (spec.q, spec.k, spec.v), kwargs)
 
 
@@ -263,7 +271,7 @@ class NpuBackend(Backend):
     def cannot_fuse_attention(self, spec: AttentionSpec, training: bool) -> str | None:
         if len(spec.q_shape) != 4 or len(spec.k_shape) != 4 or len(spec.v_shape) != 4:
             return "npu_fusion_attention needs 4-D (B, N, S, D) q, k, v"
-        if spec.additive_mask is not None and spec.bool_of_additive is None:
+        if spec.additive_mask is not None and spec.bool_of_additive is None and not spec.is_causal:
             return ("npu fused attention takes boolean masks only; this additive mask is not "
                     "where(keep, 0, -big)")
         if spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -281,12 +289,20 @@ class NpuBackend(Backend):
         keep = spec.keep_mask if spec.keep_mask is not None else spec.bool_of_additive
         if not training:
             return _emit_sdpa(graph, spec, keep)
-        # npu_fusion_attention masks the other way round: True = masked out (§1.1).
-        atten_mask = graph.call_function(torch.logical_not, (keep,)) if keep is not None else None
+        kwargs: dict[str, Any] = {"scale": spec.scale, "keep_prob": 1.0 - spec.dropout_p}
+        if spec.is_causal:
+            # Causal: the compressed 2048x2048 upper-triangular mask with sparse_mode=2 (§1.1).
+            kwargs["atten_mask"] = graph.call_function(
+                torch.triu, (graph.call_function(torch.ones, ((2048, 2048),), {"dtype": torch.bool}), 1))
+            kwargs["sparse_mode"] = 2
+        elif keep is not None:
+            # npu_fusion_attention masks the other way round: True = masked out (§1.1).
+            kwargs["atten_mask"] = graph.call_function(torch.logical_not, (keep,))
+        # Grouped-query attention runs natively (Nq % Nkv == 0): no repeated k/v needed.
+        k = spec.k_grouped if spec.k_grouped is not None else spec.k
+        v = spec.v_grouped if spec.v_grouped is not None else spec.v
         fa = graph.call_function(self._torch_npu().npu_fusion_attention,
-                                 (spec.q, spec.k, spec.v, spec.q_shape[1], "BNSD"),
-                                 {"atten_mask": atten_mask, "scale": spec.scale,
-                                  "keep_prob": 1.0 - spec.dropout_p})
+                                 (spec.q, k, v, spec.q_shape[1], "BNSD"), kwargs)
         return graph.call_function(operator.getitem, (fa, 0))
 
 

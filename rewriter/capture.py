@@ -127,10 +127,15 @@ class DynamoCapture(Capture):
     def __init__(self, model: nn.Module, reason: str) -> None:
         super().__init__(reason)
         self.on_new_graph: Callable[[GraphSlot], None] | None = None
+        self._model_tensors = {id(t) for t in list(model.parameters()) + list(model.buffers())}
         self.compiled = torch.compile(model, backend=self._backend, dynamic=None)
 
     def _backend(self, gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self.left_as_modules += functionalize_leaf_modules(gm)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node, value in zip(placeholders, example_inputs):
+            if isinstance(value, torch.Tensor) and id(value) in self._model_tensors:
+                node.meta["static_value"] = value  # the model's own tensor, by reference
         slot = GraphSlot(gm, self.switch, f"graph_{len(self.slots)}")
         self.slots.append(slot)
         log.debug("dynamo handed over %s with %d nodes", slot.name, len(gm.graph.nodes))

@@ -62,6 +62,8 @@ _FUNCTION_ALIASES: dict[str, tuple[Any, ...]] = {
     "embedding": (F.embedding,),
     "var": (torch.var,),
     "getitem": (operator.getitem,),
+    "le": (operator.le, torch.le),
+    "expand": (),
 }
 _TARGET_TO_NAME = {t: name for name, targets in _FUNCTION_ALIASES.items() for t in targets}
 # Tensor methods whose name differs from the canonical op name.
@@ -132,9 +134,23 @@ def tensor_info(node: Any) -> TensorInfo | None:
     return None
 
 
+def static_tensor(node: Any) -> torch.Tensor | None:
+    """The model tensor (parameter or buffer) a node reads, when the graph reads one directly.
+
+    Passes use it to recognise constant buffers by value (a causal ``tril`` mask); they must not
+    bake values that training changes into the graph.
+    """
+    if isinstance(node, Node):
+        value = node.meta.get("static_value")
+        return value if isinstance(value, torch.Tensor) else None
+    return None
+
+
 class _InfoRecorder(torch.fx.Interpreter):
     def run_node(self, n: Node) -> Any:
         result = super().run_node(n)
+        if n.op == "get_attr" and isinstance(result, torch.Tensor):
+            n.meta["static_value"] = result  # the model's own tensor, by reference
         if isinstance(result, torch.Tensor):
             n.meta["tensor_info"] = TensorInfo.of(result)
         elif isinstance(result, (int, float)) and not isinstance(result, bool):
@@ -163,11 +179,11 @@ def static_number(value: Any) -> float | None:
     return None
 
 
-_CASTS = ("to", "type", "type_as", "float")
+CAST_OPS = ("to", "type", "type_as", "float")
 
 
 def is_cast(node: Any) -> bool:
-    return is_op(node, *_CASTS)
+    return is_op(node, *CAST_OPS)
 
 
 def is_noop_cast(node: Any) -> bool:

@@ -24,7 +24,8 @@ from rewriter.gate import Clock, GateSettings, Step, WallClock, decide, measure
 from rewriter.ir import structure_signature
 from rewriter.job import Job, switched
 from rewriter.pass_api import Pass, PassContext, registered_passes
-from rewriter.profiling import profile_step
+from rewriter.advisor import advise
+from rewriter.profiling import ProfileSettings, compare, profile_run
 from rewriter.report import Decision, Report
 from rewriter.state import preserved_state
 from rewriter.verify import Tolerance, compare_runs, tolerance_for
@@ -326,13 +327,21 @@ def _optimizer_numerics(optimizer: torch.optim.Optimizer, cand: optimizers.Optim
     return c.ok, c.describe(), c.max_abs_error
 
 
+# One warm-up and one active step: the report's view, not a measurement (the gate's timings
+# decide; these tables explain).
+REPORT_PROFILE = ProfileSettings(wait=0, warmup=1, active=1)
+
+
 def _profile(job: Job, run: Any, report: Report, optimizer: torch.optim.Optimizer | None,
              optimized: bool) -> None:
-    activities = job.backend.profiler_activities()
     try:
-        report.top_ops_before = profile_step(job.step(job.model), activities)
+        before = profile_run(job.step(job.model), job.backend, settings=REPORT_PROFILE, label="original")
+        report.top_ops_before, report.findings_before = before.top(10), advise(before)
         if optimized:
-            report.top_ops_after = profile_step(job.step(run, optimizer=optimizer), activities)
+            after = profile_run(job.step(run, optimizer=optimizer), job.backend,
+                                settings=REPORT_PROFILE, label="optimized")
+            report.top_ops_after, report.findings_after = after.top(10), advise(after)
+            report.op_comparison = compare(before, after, labels=("original", "optimized"))
     except Exception as e:  # a profiler problem must not cost the user the optimization
         report.notes.append(f"profiling failed: {type(e).__name__}: {e}")
 

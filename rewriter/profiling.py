@@ -1,45 +1,998 @@
-"""Operator tables from one profiled run of a step, for the report's before/after view.
+"""Profiling: operator tables, Chrome and TensorBoard traces, before/after comparison, charts.
 
-The profiled run happens outside the timed runs, so the profiler's overhead never enters a
-decision::
+One wrapper over ``torch.profiler`` (CPU, CUDA) and ``torch_npu.profiler`` (NPU, reference
+npu_ecosystem.md §3). Usable on its own, in a user's script or training loop::
 
-    rows = profile_step(step, backend, top_k=10)
-    # [OpRow(name='aten::addmm', calls=24, self_ms=3.1, total_ms=3.4, share=0.41), ...]
+    from rewriter import profiling
+
+    before = profiling.profile_model(model, (x,), training=True, optimizer=opt,
+                                     out_dir="prof/eager")          # -> ProfileResult
+    after = profiling.profile_model(fast, (x,), training=True, optimizer=fast_opt,
+                                    out_dir="prof/optimized")
+    print(before.to_markdown(top_k=10))       # operator table, top three, advisor findings
+    cmp = profiling.compare(before, after)     # -> Comparison: vanished/appeared/faster/slower
+    cmp.save("prof/compare")                   # comparison.md, comparison.json, before_after.png
+
+    with profiling.PeriodicProfiler(every=500, out_dir="prof/train") as pp:   # long training
+        for batch in loader:
+            train_step(batch)
+            pp.step()                          # profiles 2 steps in every 500
+
+Signatures (all keyword options have defaults):
+
+* ``profile_model(model, example_inputs, *, training, loss_fn=None, optimizer=None, steps=2,
+  out_dir=None, top_k=15, device=None, settings=None, label=None) -> ProfileResult``: profiles
+  the same step the gate measures (forward; or forward, backward, ``optimizer.step()``), then
+  restores the model's parameters, gradients, optimizer state and RNG.
+* ``profile_run(run, device=None, *, settings=ProfileSettings(), out_dir=None, label="profile",
+  top_k=15) -> ProfileResult``: profiles calls of any ``run()``.
+* ``compare(before, after, *, min_change=0.10, min_ms=0.01, labels=None) -> Comparison``.
+* ``plot_top_ops(before, after=None, path=..., *, top_k=10, labels=...) -> str | None``: PNG,
+  or None without matplotlib (the text tables never need it).
+* ``open_profiler(device=None, settings=ProfileSettings(), *, trace_dir=None,
+  on_trace_ready=None, repeat=1)``: the configured torch/torch_npu profiler, for your own loop.
+* ``profile_step(run, activities, top_k=10) -> list[OpRow]``: one call, its top operators.
+
+With ``out_dir``, ``profile_model``/``profile_run`` write ``trace.json`` (Chrome trace:
+chrome://tracing or ui.perfetto.dev), ``tensorboard/<label>/`` (``tensorboard --logdir
+<out_dir>/tensorboard`` with the torch-tb-profiler plugin; on NPU the ``*_ascend_pt`` directory
+that MindStudio Insight and msprof-analyze open), ``operators.md`` (table and advisor findings),
+``operators.json`` and ``top_operators.png`` (with matplotlib).
+
+Times in tables are per profiled step, averaged over the active steps, and include the
+profiler's overhead: they show where time goes, they are not the gate's measurements.
 """
 from __future__ import annotations
 
+import csv
+import glob
+import json
 import logging
-from dataclasses import asdict, dataclass
-from typing import Callable
+import math
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
+from decimal import Decimal
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from rewriter.backends import Backend, get_backend, import_torch_npu
+
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "OpRow", "KernelRow", "ProfileSettings", "ProfileResult", "OpChange", "Comparison",
+    "open_profiler", "profile_run", "profile_model", "profile_step", "compare", "plot_top_ops",
+    "PeriodicProfiler", "rows_from_key_averages", "top_level_ops",
+]
+
+Shape = tuple[int, ...]
+Signature = tuple[Shape, ...]  # the shapes of one call's inputs; () for a non-tensor input
+NPU_LEVELS = ("Level_none", "Level0", "Level1", "Level2")
+
+
+# --- tables ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class OpRow:
+    """One operator's line in a table, per profiled step.
+
+    ``self_ms``/``total_ms`` are device time where the profile recorded a device (CUDA, NPU),
+    else host (CPU) time; ``share`` is of the step's summed self time. ``input_shapes`` holds
+    up to three input-shape signatures of the operator, most expensive first.
+    """
+
     name: str
     calls: int
     self_ms: float
     total_ms: float
     share: float  # of the step's summed self time
+    input_shapes: tuple[Signature, ...] = ()
 
     def to_dict(self) -> dict:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
-def profile_step(run: Callable[[], None], activities: list, top_k: int = 10) -> list[OpRow]:
-    """Profile one call of ``run`` and return its top operators by self time."""
-    with torch.profiler.profile(activities=list(dict.fromkeys(activities))) as prof:
-        run()
-    device_attr = next((a for a in ("self_device_time_total", "self_cuda_time_total")
-                        if any(getattr(e, a, 0) for e in prof.key_averages())), None)
+@dataclass(frozen=True)
+class KernelRow:
+    """An NPU kernel type from ``kernel_details.csv`` (§3.3), per profiled step."""
+
+    type: str
+    accelerator_core: str  # AI_CORE, AI_VECTOR_CORE, AI_CPU, MIX_AIC, ...
+    calls: int
+    duration_ms: float
+    input_dtypes: tuple[str, ...] = ()
+    input_shapes: str = ""
+
+    def to_dict(self) -> dict:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """What to collect, and the schedule: ``wait`` idle steps (first-call compilation happens
+    there), ``warmup`` steps with the profiler on but discarded, then ``active`` recorded steps.
+
+        ProfileSettings(active=3, with_stack=True)
+    """
+
+    wait: int = 1
+    warmup: int = 1
+    active: int = 2
+    record_shapes: bool = True
+    profile_memory: bool = True
+    with_stack: bool = False  # adds overhead and trace size (reference §3.1)
+    npu_level: str = "Level1"  # Level1 writes the kernel columns the advisor reads (§3.1)
+
+    def __post_init__(self) -> None:
+        for name in ("wait", "warmup", "active"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"ProfileSettings.{name} must be an int >= 0, got {value!r}")
+        if self.active < 1:
+            raise ValueError(f"ProfileSettings.active must be at least 1, got {self.active}")
+        if self.npu_level not in NPU_LEVELS:
+            raise ValueError(f"ProfileSettings.npu_level must be one of {NPU_LEVELS}, got {self.npu_level!r}")
+
+    @property
+    def steps(self) -> int:
+        return self.wait + self.warmup + self.active
+
+
+@dataclass
+class ProfileResult:
+    """One profiled run: the full operator table and what the advisor and comparison need.
+
+        result.top(3)                  # the three most expensive operators
+        result.to_markdown(top_k=10)   # table, top three, peak memory, advisor findings
+    """
+
+    label: str
+    device: str
+    steps: int  # active (recorded) steps; every time below is per step
+    rows: list[OpRow]  # every operator, by self time
+    shape_rows: list[OpRow] = field(default_factory=list)  # one per (operator, input shapes)
+    kernels: list[KernelRow] = field(default_factory=list)  # NPU only
+    sequence: tuple[str, ...] = ()  # top-level operators in time order (aten:: stripped)
+    wall_ms: float | None = None  # the step's wall time, where the profiler marked steps
+    peak_memory_mb: float | None = None
+    files: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def step_ms(self) -> float:
+        """Summed self time of all operators per step (the table's 100%)."""
+        return sum(r.self_ms for r in self.rows)
+
+    def top(self, k: int = 10) -> list[OpRow]:
+        return self.rows[:k]
+
+    def top_operators(self, k: int = 3) -> list[OpRow]:
+        """The top ``k`` operators (``aten::``/``npu::``), leaving out annotations such as
+        ``ProfilerStep*`` or ``Optimizer.step#...``."""
+        return [r for r in self.rows if _is_operator(r.name)][:k]
+
+    def row(self, name: str) -> OpRow | None:
+        return next((r for r in self.rows if r.name == name), None)
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "device": self.device, "steps": self.steps,
+                "step_ms": round(self.step_ms, 4), "wall_ms": self.wall_ms,
+                "peak_memory_mb": self.peak_memory_mb, "rows": [r.to_dict() for r in self.rows],
+                "kernels": [k.to_dict() for k in self.kernels], "files": dict(self.files),
+                "notes": list(self.notes)}
+
+    def to_markdown(self, top_k: int = 15, advice: bool = True) -> str:
+        lines = [f"## Operators: {self.label} ({self.device})", "", _summary_line(self)]
+        top3 = self.top_operators(3)
+        if top3:
+            lines += ["", "Top three: " + "; ".join(
+                f"{i}. `{r.name}` {100 * r.share:.1f}% ({r.self_ms:.2f} ms, {r.calls} calls)"
+                for i, r in enumerate(top3, 1))]
+        lines += ["", "| # | operator | calls | self ms | total ms | share | input shapes |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {i} | {_cell(r.name)} | {r.calls} | {r.self_ms:.3f} | {r.total_ms:.3f} | "
+                  f"{100 * r.share:.1f}% | {_cell(format_shapes(r.input_shapes))} |"
+                  for i, r in enumerate(self.top(top_k), 1)]
+        if advice:
+            from rewriter.advisor import advise, findings_to_markdown  # advisor reads this module
+            lines += ["", findings_to_markdown(advise(self))]
+        if any(r.name == "ProfilerStep*" for r in self.top(top_k)):
+            lines.append("- note: ProfilerStep*'s self time is host time between operators "
+                         "(Python, dispatch, profiler overhead)")
+        lines += [f"- note: {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+    def save(self, out_dir: str | os.PathLike, top_k: int = 15) -> dict[str, str]:
+        """Write ``operators.md``, ``operators.json`` and (with matplotlib) ``top_operators.png``."""
+        os.makedirs(out_dir, exist_ok=True)
+        paths = {"table": os.path.join(out_dir, "operators.md"),
+                 "json": os.path.join(out_dir, "operators.json")}
+        chart = plot_top_ops(self, path=os.path.join(out_dir, "top_operators.png"), top_k=top_k)
+        if chart:
+            paths["chart"] = chart
+        elif "chart skipped" not in " ".join(self.notes):
+            self.notes.append("chart skipped: matplotlib is not installed (pip install matplotlib)")
+        self.files.update(paths)
+        with open(paths["table"], "w") as f:
+            f.write(self.to_markdown(top_k))
+        with open(paths["json"], "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+        return paths
+
+
+def _summary_line(r: ProfileResult) -> str:
+    parts = [f"{r.step_ms:.2f} ms of operator self time per step ({r.steps} profiled step"
+             f"{'s' if r.steps != 1 else ''})"]
+    if r.wall_ms is not None:
+        parts.append(f"step wall time {r.wall_ms:.2f} ms")
+    if r.peak_memory_mb is not None:
+        parts.append(f"peak memory {r.peak_memory_mb:.2f} MB")
+    return "; ".join(parts) + "."
+
+
+def format_shapes(signatures: Sequence[Signature], limit: int = 2) -> str:
+    """``((8, 64), (64, 48), ())`` -> ``8x64, 64x48, -``; several signatures joined by ``|``."""
+    text = [", ".join("x".join(map(str, s)) if s else "-" for s in sig) for sig in signatures[:limit]]
+    return " | ".join(text) + (" | ..." if len(signatures) > limit else "")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+# --- building tables from torch.profiler ----------------------------------------------------
+
+def _signature(shapes: Any) -> Signature:
+    """torch's ``input_shapes`` (a list per input) as a tuple of int tuples."""
+    sig = []
+    for s in shapes or ():
+        ok = isinstance(s, (list, tuple)) and all(isinstance(d, int) for d in s)
+        sig.append(tuple(s) if ok else ())  # tensor lists and scalars: no single shape
+    return tuple(sig)
+
+
+def _device_attrs(averages: Sequence[Any]) -> tuple[str, str] | None:
+    for self_attr, total_attr in (("self_device_time_total", "device_time_total"),
+                                  ("self_cuda_time_total", "cuda_time_total")):
+        if any(getattr(e, self_attr, 0) for e in averages):
+            return self_attr, total_attr
+    return None
+
+
+def _times_us(e: Any, device: tuple[str, str] | None) -> tuple[float, float]:
+    if device:
+        return float(getattr(e, device[0], 0.0)), float(getattr(e, device[1], 0.0))
+    return float(e.self_cpu_time_total), float(e.cpu_time_total)
+
+
+def rows_from_key_averages(averages: Sequence[Any], steps: int = 1,
+                           shape_averages: Sequence[Any] | None = None) -> tuple[list[OpRow], list[OpRow]]:
+    """The operator table (by name) and shape table (by name and input shapes) of a profile.
+
+    ``averages`` is ``prof.key_averages()``, ``shape_averages`` is
+    ``prof.key_averages(group_by_input_shape=True)``; any objects with ``key``, ``count``,
+    ``self_cpu_time_total``, ``cpu_time_total`` (and ``input_shapes``) will do::
+
+        rows, shape_rows = rows_from_key_averages(prof.key_averages(), steps=2)
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    device = _device_attrs(averages)
+    raw = [(e.key, e.count, *_times_us(e, device), ()) for e in averages]
+    shape_raw = [(e.key, e.count, *_times_us(e, device), (_signature(getattr(e, "input_shapes", None)),))
+                 for e in (shape_averages or ())]
+    return _to_rows(raw, steps, shape_raw), _to_rows(shape_raw, steps, ())
+
+
+def _to_rows(raw: list[tuple], steps: int, shape_raw: Sequence[tuple]) -> list[OpRow]:
+    """(name, count, self_us, total_us, signatures) totals -> per-step OpRows by self time."""
+    total = sum(r[2] for r in raw) or 1.0
+    shapes: dict[str, list[tuple[float, Signature]]] = {}
+    for name, _, self_us, _, sigs in shape_raw:
+        if sigs and any(sigs[0]):
+            shapes.setdefault(name, []).append((self_us, sigs[0]))
     rows = []
-    for e in prof.key_averages():
-        self_us = e.self_cpu_time_total + (getattr(e, device_attr, 0) if device_attr else 0)
-        rows.append((e.key, e.count, self_us, e.cpu_time_total))
-    total = sum(r[2] for r in rows) or 1.0
-    rows.sort(key=lambda r: r[2], reverse=True)
-    return [OpRow(name, calls, self_us / 1e3, total_us / 1e3, self_us / total)
-            for name, calls, self_us, total_us in rows[:top_k]]
+    for name, count, self_us, total_us, sigs in raw:
+        top_sigs = sigs or tuple(s for _, s in sorted(shapes.get(name, []), key=lambda x: -x[0])[:3])
+        rows.append(OpRow(name, max(1, round(count / steps)) if count else 0, self_us / steps / 1e3,
+                          total_us / steps / 1e3, self_us / total, top_sigs))
+    rows.sort(key=lambda r: r.self_ms, reverse=True)
+    return rows
+
+
+TimedEvent = tuple[str, float, float, int]  # name, start us, end us, thread
+
+
+def top_level_ops(events: Iterable[TimedEvent]) -> tuple[str, ...]:
+    """Names of the operators not nested in another operator, in time order, prefix stripped.
+
+    The sequence the Ascend advisor matches its affinity patterns against (§4.2): ``matmul``,
+    not the ``bmm`` it calls. Annotations (``ProfilerStep#3``, ``Optimizer.step#...``,
+    ``autograd::...``) are skipped, so an operator inside one still counts as top level::
+
+        top_level_ops([("aten::matmul", 0, 10, 1), ("aten::bmm", 2, 9, 1)])  # ('matmul',)
+    """
+    ops = sorted((e for e in events if _is_operator(e[0])), key=lambda e: (e[3], e[1], -e[2]))
+    found: list[tuple[float, str]] = []
+    thread, open_until = None, -math.inf
+    for name, start, end, tid in ops:
+        if tid != thread:
+            thread, open_until = tid, -math.inf
+        if start >= open_until:  # not inside the last top-level operator of this thread
+            found.append((start, name.split("::", 1)[1]))
+            open_until = end
+    found.sort(key=lambda x: x[0])
+    return tuple(name for _, name in found)
+
+
+def _is_operator(name: str) -> bool:
+    return name.startswith(("aten::", "npu::"))
+
+
+def _torch_events(prof: Any) -> list[TimedEvent]:
+    return [(e.name, e.time_range.start, e.time_range.end, e.thread) for e in prof.events()
+            if _is_operator(e.name)]
+
+
+def _kineto_peak_mb(prof: Any, device_type: str) -> float | None:
+    """Peak of the allocations the profiler saw, above what was allocated when it started."""
+    try:
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+                  and str(e.device_type()).rsplit(".", 1)[-1].lower() == device_type]
+    except (AttributeError, RuntimeError) as e:  # private API: degrade to "not available"
+        log.debug("no memory events: %s", e)
+        return None
+    if not events:
+        return None
+    running, peak = 0, 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        running += e.nbytes()
+        peak = max(peak, running)
+    return peak / 2**20
+
+
+def _result_from_torch(prof: Any, backend: Backend, settings: ProfileSettings, label: str) -> ProfileResult:
+    averages = prof.key_averages()
+    shape_averages = prof.key_averages(group_by_input_shape=True) if settings.record_shapes else None
+    rows, shape_rows = rows_from_key_averages(averages, settings.active, shape_averages)
+    step_row = next((r for r in rows if r.name.startswith("ProfilerStep")), None)
+    result = ProfileResult(label, backend.name, settings.active, rows, shape_rows,
+                           sequence=top_level_ops(_torch_events(prof)),
+                           wall_ms=step_row.total_ms if step_row else None)
+    if settings.profile_memory:
+        result.peak_memory_mb = _kineto_peak_mb(prof, backend.device_type)
+        if result.peak_memory_mb is not None:
+            result.notes.append("peak memory: allocations during the profiled steps, above what "
+                                "was allocated when recording began")
+    return result
+
+
+# --- building tables from torch_npu.profiler output (§3.2, §3.3) ----------------------------
+
+def _read_csv(path: str) -> list[dict[str, str]]:
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _num(value: str | None) -> float:
+    try:
+        return float(value) if value not in (None, "", "N/A") else 0.0
+    except ValueError:
+        return 0.0
+
+
+def _npu_signature(text: str) -> Signature:
+    """``"8,64;64,48;"`` (dims by comma, inputs by semicolon, §3.3) -> ``((8, 64), (64, 48), ())``."""
+    sig = []
+    for part in text.strip().strip('"').split(";") if text.strip() else ():
+        dims = [d.strip() for d in part.split(",") if d.strip()]
+        sig.append(tuple(int(d) for d in dims) if all(d.lstrip("-").isdigit() for d in dims) else ())
+    return tuple(sig)
+
+
+def _rows_from_operator_details(path: str, steps: int) -> tuple[list[OpRow], list[OpRow]]:
+    """operator_details.csv has one line per operator call; aggregate by name, and by shapes."""
+    lines = _read_csv(path)
+    use_device = any(_num(r.get("Device Self Duration(us)")) for r in lines)
+    kind = "Device" if use_device else "Host"
+    by_name: dict[str, list] = {}
+    by_shape: dict[tuple[str, str], list] = {}
+    for r in lines:
+        self_us = _num(r.get(f"{kind} Self Duration(us)"))
+        total_us = _num(r.get(f"{kind} Total Duration(us)"))
+        for key, table in ((r["Name"], by_name), ((r["Name"], r.get("Input Shapes", "")), by_shape)):
+            acc = table.setdefault(key, [0, 0.0, 0.0])
+            acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + self_us, acc[2] + total_us
+    shape_raw = [(n, c, s, t, (_npu_signature(sh),)) for (n, sh), (c, s, t) in by_shape.items()]
+    raw = [(n, c, s, t, ()) for n, (c, s, t) in by_name.items()]
+    return _to_rows(raw, steps, shape_raw), _to_rows(shape_raw, steps, ())
+
+
+def _kernels_from_kernel_details(path: str, steps: int) -> list[KernelRow]:
+    acc: dict[tuple[str, str, tuple[str, ...]], list] = {}
+    for r in _read_csv(path):
+        dtypes = tuple(d.strip() for d in r.get("Input Data Types", "").split(";") if d.strip())
+        a = acc.setdefault((r.get("Type", r.get("Name", "")), r.get("Accelerator Core", ""), dtypes),
+                           [0, 0.0, r.get("Input Shapes", "")])
+        a[0], a[1] = a[0] + 1, a[1] + _num(r.get("Duration(us)"))
+    kernels = [KernelRow(t, core, max(1, round(c / steps)), us / steps / 1e3, dt, shapes)
+               for (t, core, dt), (c, us, shapes) in acc.items()]
+    return sorted(kernels, key=lambda k: k.duration_ms, reverse=True)
+
+
+def load_trace_events(path: str) -> list[dict]:
+    """Events of a Chrome trace file, in either of its two formats (object or bare array)."""
+    with open(path) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def _timed_events(events: list[dict]) -> list[TimedEvent]:
+    """Complete ('X') events; torch_npu writes ``ts`` as a string of epoch microseconds (§3.3),
+    too long for a float at ns precision, so it is read as a Decimal relative to the first."""
+    xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    if not xs:
+        return []
+    t0 = min(Decimal(str(e["ts"])) for e in xs)
+    out = []
+    for e in xs:
+        start = float(Decimal(str(e["ts"])) - t0)
+        out.append((e.get("name", ""), start, start + float(e.get("dur", 0)), hash(e.get("tid"))))
+    return out
+
+
+def _annotation_rows(timed: list[TimedEvent], steps: int) -> tuple[list[OpRow], float | None]:
+    """Optimizer annotations (host spans) as rows, and the step's wall time from ProfilerStep#."""
+    spans: dict[str, list[float]] = {}
+    for name, start, end, _ in timed:
+        if name.startswith(("Optimizer.step#", "Optimizer.zero_grad#", "ProfilerStep#")):
+            key = "ProfilerStep*" if name.startswith("ProfilerStep#") else name
+            spans.setdefault(key, []).append(end - start)
+    wall = spans.pop("ProfilerStep*", None)
+    rows = [OpRow(n, max(1, round(len(d) / steps)), 0.0, sum(d) / steps / 1e3, 0.0) for n, d in spans.items()]
+    return rows, (sum(wall) / steps / 1e3 if wall else None)
+
+
+def _npu_peak_mb(path: str) -> float | None:
+    values = [_num(r.get("Allocation Total Allocated(MB)")) for r in _read_csv(path)]
+    return max(values) if values else None
+
+
+def _result_from_ascend(root: str, backend: Backend, settings: ProfileSettings, label: str) -> ProfileResult:
+    """Read a ``*_ascend_pt`` directory's ``ASCEND_PROFILER_OUTPUT`` into a ProfileResult."""
+    out = os.path.join(root, "ASCEND_PROFILER_OUTPUT")
+    steps = settings.active
+    rows, shape_rows = _rows_from_operator_details(os.path.join(out, "operator_details.csv"), steps)
+    trace_path = os.path.join(out, "trace_view.json")
+    timed = _timed_events(load_trace_events(trace_path)) if os.path.exists(trace_path) else []
+    extra, wall = _annotation_rows(timed, steps)
+    kernels = _kernels_from_kernel_details(os.path.join(out, "kernel_details.csv"), steps)
+    result = ProfileResult(label, backend.name, steps, rows + extra, shape_rows, kernels,
+                           sequence=top_level_ops(timed), wall_ms=wall,
+                           files={"tensorboard": os.path.dirname(root), "ascend_pt": root})
+    if os.path.exists(trace_path):
+        result.files["trace"] = trace_path
+    if not rows:
+        result.notes.append(f"no operator_details.csv rows in {out}")
+    if settings.profile_memory:
+        result.peak_memory_mb = _npu_peak_mb(os.path.join(out, "operator_memory.csv"))
+        if result.peak_memory_mb is not None:
+            result.notes.append("peak memory: the largest 'Allocation Total Allocated(MB)' "
+                                "in operator_memory.csv")
+    return result
+
+
+# --- the profiler wrapper ------------------------------------------------------------------
+
+def _chain(*handlers: Callable[[Any], None] | None) -> Callable[[Any], None]:
+    def on_trace_ready(prof: Any) -> None:
+        for h in handlers:
+            if h is not None:
+                h(prof)
+    return on_trace_ready
+
+
+def open_profiler(device: str | torch.device | Backend | None = None,
+                  settings: ProfileSettings = ProfileSettings(), *, trace_dir: str | None = None,
+                  on_trace_ready: Callable[[Any], None] | None = None, repeat: int = 1,
+                  skip_first: int = 0) -> Any:
+    """The device's profiler, configured: ``torch.profiler.profile`` on CPU/CUDA,
+    ``torch_npu.profiler.profile`` with ``_ExperimentalConfig`` on NPU (reference §3.1).
+
+    ``trace_dir`` gets a TensorBoard trace (NPU: the ``*_ascend_pt`` directory) at the end of
+    each cycle of ``repeat`` (0: forever) cycles, after ``skip_first`` idle steps;
+    ``on_trace_ready(prof)`` runs after it::
+
+        with open_profiler("cpu", ProfileSettings(wait=0, warmup=1, active=2),
+                           trace_dir="tb/run") as prof:
+            for _ in range(3):
+                train_step()
+                prof.step()
+    """
+    backend = get_backend(device)
+    if backend.name == "npu":
+        return _open_npu_profiler(backend, settings, trace_dir, on_trace_ready, repeat, skip_first)
+    tb = torch.profiler.tensorboard_trace_handler(trace_dir) if trace_dir else None
+    return torch.profiler.profile(
+        activities=list(dict.fromkeys(backend.profiler_activities())),
+        schedule=torch.profiler.schedule(wait=settings.wait, warmup=settings.warmup,
+                                         active=settings.active, repeat=repeat, skip_first=skip_first),
+        on_trace_ready=_chain(tb, on_trace_ready), record_shapes=settings.record_shapes,
+        profile_memory=settings.profile_memory, with_stack=settings.with_stack)
+
+
+def _open_npu_profiler(backend: Backend, settings: ProfileSettings, trace_dir: str | None,
+                       on_trace_ready: Callable[[Any], None] | None, repeat: int, skip_first: int) -> Any:
+    torch_npu = import_torch_npu()
+    if torch_npu is None:
+        raise RuntimeError("profiling on npu needs torch_npu, which does not import here")
+    p = torch_npu.profiler
+    level = getattr(p.ProfilerLevel, settings.npu_level)
+    # aic_metrics only takes effect at Level1/2; at Level0 torch_npu resets it with a warning (§3.1).
+    detailed = settings.npu_level in ("Level1", "Level2")
+    metrics = p.AiCMetrics.PipeUtilization if detailed else p.AiCMetrics.AiCoreNone
+    config = p._ExperimentalConfig(profiler_level=level, aic_metrics=metrics,
+                                   data_simplification=True, export_type=p.ExportType.Text)
+    tb = p.tensorboard_trace_handler(trace_dir) if trace_dir else None  # parses synchronously
+    return p.profile(activities=list(backend.profiler_activities()),
+                     schedule=p.schedule(wait=settings.wait, active=settings.active,
+                                         warmup=settings.warmup, repeat=repeat, skip_first=skip_first),
+                     on_trace_ready=_chain(tb, on_trace_ready), record_shapes=settings.record_shapes,
+                     profile_memory=settings.profile_memory, with_stack=settings.with_stack,
+                     experimental_config=config)
+
+
+class _Collector:
+    """Turns each finished profiling cycle into a ProfileResult (torch: from the profiler object;
+    NPU: from the ``*_ascend_pt`` directory torch_npu's handler has just written)."""
+
+    def __init__(self, backend: Backend, settings: ProfileSettings, trace_dir: str | None,
+                 label: str) -> None:
+        self.backend, self.settings, self.trace_dir, self.label = backend, settings, trace_dir, label
+        self.results: list[ProfileResult] = []
+        self.seen: set[str] = set(self._outputs())
+
+    def _outputs(self) -> list[str]:
+        if not self.trace_dir:
+            return []
+        pattern = "*_ascend_pt" if self.backend.name == "npu" else "*.pt.trace.json"
+        return glob.glob(os.path.join(self.trace_dir, pattern))
+
+    def _new_output(self) -> str | None:
+        fresh = [p for p in self._outputs() if p not in self.seen]
+        self.seen.update(fresh)
+        return max(fresh, key=os.path.getmtime) if fresh else None
+
+    def __call__(self, prof: Any) -> None:
+        output = self._new_output()
+        if self.backend.name == "npu":
+            if output is None:
+                raise RuntimeError(f"torch_npu wrote no *_ascend_pt directory in {self.trace_dir}")
+            result = _result_from_ascend(output, self.backend, self.settings, self.label)
+        else:
+            result = _result_from_torch(prof, self.backend, self.settings, self.label)
+            if output:
+                result.files.update(tensorboard=self.trace_dir, trace=output)
+        self.results.append(result)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "profile"
+
+
+def profile_run(run: Callable[[], Any], device: str | torch.device | Backend | None = None, *,
+                settings: ProfileSettings = ProfileSettings(), out_dir: str | os.PathLike | None = None,
+                label: str = "profile", top_k: int = 15) -> ProfileResult:
+    """Call ``run()`` ``settings.steps`` times under the profiler; tables from the active steps.
+
+        result = profile_run(lambda: model(x), "cpu", out_dir="prof/")
+        result.top(3)
+    """
+    backend = get_backend(device)
+    scratch = tempfile.mkdtemp(prefix="rewriter-prof-") if backend.name == "npu" and out_dir is None else None
+    trace_dir = os.path.join(out_dir, "tensorboard", _slug(label)) if out_dir else scratch
+    try:
+        collector = _Collector(backend, settings, trace_dir, label)
+        with open_profiler(backend, settings, trace_dir=trace_dir, on_trace_ready=collector) as prof:
+            for _ in range(settings.steps):
+                run()
+                backend.synchronize()  # device work belongs to the step that queued it
+                prof.step()
+        if not collector.results:
+            raise RuntimeError("the profiler finished no recording cycle")
+        result = collector.results[-1]
+        if out_dir:
+            _write_outputs(result, str(out_dir), top_k)
+        return result
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _write_outputs(result: ProfileResult, out_dir: str, top_k: int) -> None:
+    trace = result.files.get("trace")
+    if trace:
+        result.files["trace"] = shutil.copyfile(trace, os.path.join(out_dir, "trace.json"))
+    result.save(out_dir, top_k)
+    log.info("profile %s written to %s", result.label, out_dir)
+
+
+def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    raise ValueError("example_inputs must be a tuple of positional args, a dict of keyword args "
+                     f"or a tensor; got {type(example_inputs).__name__}")
+
+
+def profile_model(model: torch.nn.Module, example_inputs: Any, *, training: bool,
+                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                  optimizer: torch.optim.Optimizer | None = None, steps: int = 2,
+                  out_dir: str | os.PathLike | None = None, top_k: int = 15,
+                  device: str | torch.device | Backend | None = None,
+                  settings: ProfileSettings | None = None, label: str | None = None) -> ProfileResult:
+    """Profile the step the gate measures: forward (``training=False``, under no_grad), or
+    forward, backward and ``optimizer.step()``; restore the model and optimizer afterwards.
+
+        result = profile_model(model, {"input_ids": ids, "labels": ids}, training=True,
+                               optimizer=opt, out_dir="prof/eager")
+
+    The loss is ``loss_fn(output)``, else ``output.loss`` (transformers with labels), else a
+    fixed random cotangent on the outputs. The model runs in its current train/eval mode.
+    ``steps`` recorded steps follow ``settings.wait`` + ``settings.warmup`` unrecorded ones.
+    """
+    from rewriter.job import Job  # the gate's own step definition
+    from rewriter.state import preserved_state
+
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"profile_model expects a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    args, kwargs = _split_inputs(example_inputs)
+    backend = get_backend(device if device is not None else _model_device(model))
+    settings = replace(settings or ProfileSettings(), active=steps)
+    original = getattr(model, "original", model)  # an OptimizedModel profiles under its own name
+    label = label or f"{type(original).__name__} {'training' if training else 'inference'} step"
+    job = Job(model, args, kwargs, backend, training, optimizer, loss_fn)
+    with preserved_state(model, optimizer, backend.rng_states()):
+        return profile_run(job.step(model), backend, settings=settings, out_dir=out_dir,
+                           label=label, top_k=top_k)
+
+
+def _model_device(model: torch.nn.Module) -> str:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device.type
+    return "cpu"
+
+
+def profile_step(run: Callable[[], None], activities: list, top_k: int = 10) -> list[OpRow]:
+    """Profile one call of ``run`` with torch.profiler and return its top operators by self time.
+
+    The lightweight form the report uses; :func:`profile_run` gives the full result (and the
+    NPU path)::
+
+        rows = profile_step(step, [torch.profiler.ProfilerActivity.CPU], top_k=10)
+    """
+    with torch.profiler.profile(activities=list(dict.fromkeys(activities)), record_shapes=True) as prof:
+        run()
+    rows, _ = rows_from_key_averages(prof.key_averages(), 1, prof.key_averages(group_by_input_shape=True))
+    return rows[:top_k]
+
+
+# --- before/after ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OpChange:
+    """One operator before and after: ``vanished``, ``appeared``, ``faster``, ``slower`` or
+    ``unchanged``; times are self ms per step (0.0 where absent)."""
+
+    name: str
+    status: str
+    before_ms: float
+    after_ms: float
+    before_calls: int
+    after_calls: int
+
+    @property
+    def delta_ms(self) -> float:
+        return self.after_ms - self.before_ms
+
+    def to_dict(self) -> dict:
+        d = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        d["delta_ms"] = round(self.delta_ms, 4)
+        return d
+
+
+@dataclass
+class Comparison:
+    """Two operator tables side by side, largest change first.
+
+        cmp = compare(before, after)
+        [c.name for c in cmp.vanished]        # e.g. ['aten::softmax', 'aten::bmm', ...]
+        cmp.save("prof/compare")
+    """
+
+    labels: tuple[str, str]
+    before_step_ms: float
+    after_step_ms: float
+    changes: list[OpChange]
+    before_peak_mb: float | None = None
+    after_peak_mb: float | None = None
+    notes: list[str] = field(default_factory=list)
+    before_rows: list[OpRow] = field(default_factory=list, repr=False)
+    after_rows: list[OpRow] = field(default_factory=list, repr=False)
+
+    def _with(self, status: str) -> list[OpChange]:
+        return [c for c in self.changes if c.status == status]
+
+    @property
+    def vanished(self) -> list[OpChange]:
+        return self._with("vanished")
+
+    @property
+    def appeared(self) -> list[OpChange]:
+        return self._with("appeared")
+
+    @property
+    def faster(self) -> list[OpChange]:
+        return self._with("faster")
+
+    @property
+    def slower(self) -> list[OpChange]:
+        return self._with("slower")
+
+    def to_dict(self) -> dict:
+        return {"labels": list(self.labels), "before_step_ms": round(self.before_step_ms, 4),
+                "after_step_ms": round(self.after_step_ms, 4), "before_peak_mb": self.before_peak_mb,
+                "after_peak_mb": self.after_peak_mb, "changes": [c.to_dict() for c in self.changes],
+                "notes": list(self.notes)}
+
+    def to_markdown(self, top_k: int = 15) -> str:
+        a, b = self.labels
+        lines = [f"## Operators before/after: {a} -> {b}", "", _step_line(self)]
+        for title, changed in (("Vanished", self.vanished), ("Appeared", self.appeared)):
+            items = [c for c in changed if _is_operator(c.name)]  # annotations are in the table
+            if items:
+                lines.append(f"- {title}: " + ", ".join(
+                    f"`{c.name}` ({max(c.before_ms, c.after_ms):.3f} ms)" for c in items[:top_k])
+                    + (f", and {len(items) - top_k} more" if len(items) > top_k else ""))
+        lines.append(f"- Faster: {len(self.faster)} operators; slower: {len(self.slower)}")
+        lines += ["", f"| operator | {_cell(a)} ms | {_cell(b)} ms | change | calls |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {_cell(c.name)} | {c.before_ms:.3f} | {c.after_ms:.3f} | {c.status} "
+                  f"{c.delta_ms:+.3f} | {c.before_calls} -> {c.after_calls} |" for c in self.changes[:top_k]]
+        lines += [f"- note: {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+    def save(self, out_dir: str | os.PathLike, top_k: int = 15) -> dict[str, str]:
+        """Write ``comparison.md``, ``comparison.json`` and (with matplotlib) ``before_after.png``."""
+        os.makedirs(out_dir, exist_ok=True)
+        paths = {"table": os.path.join(out_dir, "comparison.md"),
+                 "json": os.path.join(out_dir, "comparison.json")}
+        chart = plot_top_ops(self.before_rows, self.after_rows, os.path.join(out_dir, "before_after.png"),
+                             top_k=min(top_k, 12), labels=self.labels)
+        if chart:
+            paths["chart"] = chart
+        else:
+            self.notes.append("chart skipped: matplotlib is not installed (pip install matplotlib)")
+        with open(paths["table"], "w") as f:
+            f.write(self.to_markdown(top_k))
+        with open(paths["json"], "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+        return paths
+
+
+def _step_line(c: Comparison) -> str:
+    change = (c.after_step_ms / c.before_step_ms - 1) * 100 if c.before_step_ms else float("nan")
+    line = (f"Operator self time per step: {c.before_step_ms:.2f} ms -> {c.after_step_ms:.2f} ms "
+            f"({change:+.1f}%)")
+    if c.before_peak_mb is not None and c.after_peak_mb is not None:
+        line += f"; peak memory {c.before_peak_mb:.2f} MB -> {c.after_peak_mb:.2f} MB"
+    return line + "."
+
+
+def _table_of(x: ProfileResult | Sequence[OpRow]
+              ) -> tuple[list[OpRow], float, float | None, str | None, bool]:
+    """rows, step ms, peak MB, label, and whether the table is complete (not a top-k cut)."""
+    if isinstance(x, ProfileResult):
+        return list(x.rows), x.step_ms, x.peak_memory_mb, x.label, True
+    rows = list(x)
+    if not all(isinstance(r, OpRow) for r in rows):
+        raise ValueError("compare() takes ProfileResults or lists of OpRow")
+    # A top-k list still knows the step: each row's share is of the whole step.
+    ref = next((r for r in rows if r.share > 0), None)
+    step = ref.self_ms / ref.share if ref else sum(r.self_ms for r in rows)
+    return rows, step, None, None, False
+
+
+def compare(before: ProfileResult | Sequence[OpRow], after: ProfileResult | Sequence[OpRow], *,
+            min_change: float = 0.10, min_ms: float = 0.01,
+            labels: tuple[str, str] | None = None) -> Comparison:
+    """Which operators vanished, appeared, got faster or slower between two profiles.
+
+    An operator is faster/slower when its self time per step changed by more than
+    ``min_change`` (relative) and ``min_ms`` (absolute); profiles are single runs, so smaller
+    changes are noise. Tables cut to their top k make vanished/appeared approximate::
+
+        cmp = compare(profile_model(model, ...), profile_model(fast, ...))
+        cmp.vanished, cmp.appeared, cmp.faster, cmp.slower
+    """
+    if min_change < 0 or min_ms < 0:
+        raise ValueError(f"min_change and min_ms must be >= 0, got {min_change}, {min_ms}")
+    b_rows, b_step, b_peak, b_label, b_full = _table_of(before)
+    a_rows, a_step, a_peak, a_label, a_full = _table_of(after)
+    names = list(dict.fromkeys([r.name for r in b_rows] + [r.name for r in a_rows]))
+    b_by, a_by = {r.name: r for r in b_rows}, {r.name: r for r in a_rows}
+    changes = [_change(n, b_by.get(n), a_by.get(n), min_change, min_ms) for n in names]
+    changes.sort(key=lambda c: abs(c.delta_ms), reverse=True)
+    notes = ["times are from profiled steps (profiler overhead included), not the gate's measurements"]
+    if not (b_full and a_full):
+        notes.append("a table was cut to its top operators: 'vanished'/'appeared' may mean 'left the top'")
+    return Comparison(labels or (b_label or "before", a_label or "after"), b_step, a_step, changes,
+                      b_peak, a_peak, notes, b_rows, a_rows)
+
+
+def _change(name: str, b: OpRow | None, a: OpRow | None, min_change: float, min_ms: float) -> OpChange:
+    b_ms, a_ms = (b.self_ms if b else 0.0), (a.self_ms if a else 0.0)
+    if a is None:
+        status = "vanished"
+    elif b is None:
+        status = "appeared"
+    elif abs(a_ms - b_ms) >= min_ms and a_ms < b_ms * (1 - min_change):
+        status = "faster"
+    elif abs(a_ms - b_ms) >= min_ms and a_ms > b_ms * (1 + min_change):
+        status = "slower"
+    else:
+        status = "unchanged"
+    return OpChange(name, status, b_ms, a_ms, b.calls if b else 0, a.calls if a else 0)
+
+
+# --- charts (matplotlib optional) ------------------------------------------------------------
+
+def plot_top_ops(before: ProfileResult | Sequence[OpRow],
+                 after: ProfileResult | Sequence[OpRow] | None = None,
+                 path: str | os.PathLike = "top_operators.png", *, top_k: int = 10,
+                 labels: tuple[str, str] = ("before", "after")) -> str | None:
+    """A horizontal bar chart of self time per step of the top operators (two bars each with
+    ``after``). Returns the path, or None when matplotlib is not installed::
+
+        plot_top_ops(before, after, "before_after.png", labels=("eager", "optimized"))
+    """
+    try:
+        from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
+    except ImportError:
+        log.info("matplotlib is not installed: chart %s skipped (pip install matplotlib)", path)
+        return None
+    b = {r.name: r.self_ms for r in (before.rows if isinstance(before, ProfileResult) else before)}
+    a = {r.name: r.self_ms for r in (after.rows if isinstance(after, ProfileResult) else after or [])}
+    names = sorted(set(b) | set(a), key=lambda n: max(b.get(n, 0.0), a.get(n, 0.0)), reverse=True)[:top_k]
+    fig = Figure(figsize=(10, 1.5 + 0.4 * max(len(names), 1)))
+    ax = fig.subplots()
+    ys = list(range(len(names)))
+    height = 0.4 if after is not None else 0.8
+    ax.barh([y - (height / 2 if after is not None else 0) for y in ys], [b.get(n, 0.0) for n in names],
+            height=height, label=labels[0])
+    if after is not None:
+        ax.barh([y + height / 2 for y in ys], [a.get(n, 0.0) for n in names], height=height, label=labels[1])
+        ax.legend()
+    ax.set_yticks(ys, [n if len(n) <= 48 else n[:45] + "..." for n in names])
+    ax.invert_yaxis()
+    ax.set_xlabel("self time per step (ms)")
+    ax.set_title("Top operators" + (f": {labels[0]} vs {labels[1]}" if after is not None else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return str(path)
+
+
+# --- periodic profiling for long training ----------------------------------------------------
+
+class PeriodicProfiler:
+    """Profile ``active`` steps in every ``every`` steps of a training loop. Between windows
+    the profiler is idle (nothing is recorded), so the cost is paid in the profiled steps only.
+
+        with PeriodicProfiler(every=1000, active=2, out_dir="prof/", on_result=print) as pp:
+            for batch in loader:
+                train_step(batch)
+                pp.step()
+        pp.results[-1].top(3)
+
+    Each window gives a ProfileResult (the last ``keep`` are kept in ``results``), written to
+    ``out_dir/step_<N>/`` with its trace in ``out_dir/tensorboard/``. A window that ``stop()``
+    cuts short is dropped. Shapes and memory are off by default to keep the profiled steps cheap.
+    """
+
+    def __init__(self, every: int, *, active: int = 2, warmup: int = 1, skip_first: int = 0,
+                 device: str | torch.device | Backend | None = None,
+                 out_dir: str | os.PathLike | None = None, top_k: int = 10, keep: int = 20,
+                 record_shapes: bool = False, profile_memory: bool = False,
+                 on_result: Callable[[ProfileResult], None] | None = None) -> None:
+        if not isinstance(every, int) or every < warmup + active:
+            raise ValueError(f"every must be an int >= warmup + active ({warmup + active}), got {every!r}")
+        if skip_first < 0:
+            raise ValueError(f"skip_first must be >= 0, got {skip_first}")
+        self.settings = ProfileSettings(wait=every - warmup - active, warmup=warmup, active=active,
+                                        record_shapes=record_shapes, profile_memory=profile_memory)
+        self.backend = get_backend(device)
+        self.skip_first, self.out_dir, self.top_k, self.on_result = skip_first, out_dir, top_k, on_result
+        self.results: deque[ProfileResult] = deque(maxlen=keep)
+        self.steps_done = 0
+        self._prof: Any = None
+        self._scratch: str | None = None
+        self._stopping = False
+
+    def start(self) -> "PeriodicProfiler":
+        if self._prof is not None:
+            raise RuntimeError("PeriodicProfiler is already running")
+        if self.out_dir:
+            trace_dir = os.path.join(self.out_dir, "tensorboard")
+        elif self.backend.name == "npu":  # torch_npu's tables come from files: parse, then drop
+            trace_dir = self._scratch = tempfile.mkdtemp(prefix="rewriter-prof-")
+        else:
+            trace_dir = None
+        self._collector = _Collector(self.backend, self.settings, trace_dir, "")
+        self._prof = open_profiler(self.backend, self.settings, trace_dir=trace_dir,
+                                   on_trace_ready=self._on_trace_ready, repeat=0,
+                                   skip_first=self.skip_first)
+        self._prof.start()
+        return self
+
+    def step(self) -> None:
+        """Call once per training step, after it."""
+        if self._prof is None:
+            raise RuntimeError("PeriodicProfiler.step() before start() (or outside its with block)")
+        if self._recording(self.steps_done):
+            self.backend.synchronize()  # the step's device work belongs in its window
+        self.steps_done += 1
+        with warnings.catch_warnings():
+            # torch warns that each cycle clears the last one's events: that is the point here.
+            warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
+            self._prof.step()
+
+    def _recording(self, step: int) -> bool:
+        """Whether the schedule records (0-based) ``step``: the same arithmetic as torch's."""
+        n = step - self.skip_first
+        return n >= 0 and n % self.settings.steps >= self.settings.wait + self.settings.warmup
+
+    def stop(self) -> None:
+        if self._prof is not None:
+            self._stopping = True  # a window cut short by stop() is dropped, not reported
+            try:
+                self._prof.stop()
+            finally:
+                self._prof, self._stopping = None, False
+        if self._scratch:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+
+    def __enter__(self) -> "PeriodicProfiler":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _on_trace_ready(self, prof: Any) -> None:
+        if self._stopping:
+            log.debug("profiling window cut short by stop() at step %d: dropped", self.steps_done)
+            return
+        self._collector.label = f"steps {self.steps_done - self.settings.active + 1}-{self.steps_done}"
+        self._collector(prof)
+        result = self._collector.results.pop()
+        if self.out_dir:
+            result.save(os.path.join(self.out_dir, f"step_{self.steps_done}"), self.top_k)
+        self.results.append(result)
+        log.info("profiled %s: %s", result.label, "; ".join(
+            f"{r.name} {100 * r.share:.0f}%" for r in result.top_operators(3)))
+        if self.on_result is not None:
+            self.on_result(result)
+

@@ -12,7 +12,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rewriter.profiling import OpRow
+from rewriter.advisor import Finding, findings_to_markdown
+from rewriter.profiling import Comparison, OpRow, format_shapes
 
 
 @dataclass
@@ -47,6 +48,9 @@ class Report:
     optimize_seconds: float = 0.0
     top_ops_before: list[OpRow] = field(default_factory=list)
     top_ops_after: list[OpRow] = field(default_factory=list)
+    findings_before: list[Finding] = field(default_factory=list)
+    findings_after: list[Finding] = field(default_factory=list)
+    op_comparison: Comparison | None = None
     left_as_modules: list[str] = field(default_factory=list)
     plan_status: str = ""
     notes: list[str] = field(default_factory=list)
@@ -63,6 +67,9 @@ class Report:
         d = asdict(self)
         d["top_ops_before"] = [r.to_dict() for r in self.top_ops_before]
         d["top_ops_after"] = [r.to_dict() for r in self.top_ops_after]
+        d["findings_before"] = [f.to_dict() for f in self.findings_before]
+        d["findings_after"] = [f.to_dict() for f in self.findings_after]
+        d["op_comparison"] = self.op_comparison.to_dict() if self.op_comparison else None
         d["kept_passes"] = self.kept_passes
         d.pop("plan")
         return _json_safe(d)
@@ -77,6 +84,8 @@ class Report:
         if self.plan is not None:
             with open(os.path.join(directory, "plan.json"), "w") as f:
                 json.dump(self.plan, f, indent=2)
+        if self.op_comparison is not None:  # comparison.md/json and, with matplotlib, a chart
+            self.op_comparison.save(os.path.join(directory, "profile"))
 
     def to_markdown(self) -> str:
         lines = [f"# rewriter report: {self.model}", "",
@@ -97,8 +106,15 @@ class Report:
         for title, rows in (("Top operators before", self.top_ops_before),
                             ("Top operators after", self.top_ops_after)):
             if rows:
-                lines += ["", f"## {title}", "", "| operator | calls | self ms | share |", "|---|---|---|---|"]
-                lines += [f"| {r.name} | {r.calls} | {r.self_ms:.2f} | {100 * r.share:.1f}% |" for r in rows]
+                lines += ["", f"## {title}", "", "| operator | calls | self ms | share | input shapes |",
+                          "|---|---|---|---|---|"]
+                lines += [f"| {r.name} | {r.calls} | {r.self_ms:.2f} | {100 * r.share:.1f}% | "
+                          f"{_cell(format_shapes(r.input_shapes))} |" for r in rows]
+        for title, found in (("Advisor, before", self.findings_before), ("Advisor, after", self.findings_after)):
+            if found:
+                lines += ["", f"## {title}", "", findings_to_markdown(found)]
+        if self.op_comparison is not None:
+            lines += ["", self.op_comparison.to_markdown(10)]
         sited = [d for d in self.decisions if d.sites]
         if sited:
             lines += ["", "## Sites", ""]

@@ -36,8 +36,8 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
                          next_tockens=2147483647, inner_precise=0, prefix=None,
                          actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
                          gen_mask_parallel=True, sync=False):
-    if sparse_mode != 0 or padding_mask is not None or prefix is not None:
-        raise NotImplementedError("shim: only sparse_mode=0 without padding_mask/prefix")
+    if sparse_mode not in (0, 2) or padding_mask is not None or prefix is not None:
+        raise NotImplementedError("shim: only sparse_mode 0 and 2, without padding_mask/prefix")
     q = _to_bnsd(query, input_layout, head_num)
     k = _to_bnsd(key, input_layout, head_num)
     v = _to_bnsd(value, input_layout, head_num)
@@ -48,7 +48,14 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     if pse is not None:
         scores = scores + pse
     scores = scores * scale
-    if atten_mask is not None:
+    if sparse_mode == 2:
+        # leftUpCausal: atten_mask must be the compressed 2048x2048 triu(1) mask (§1.1)
+        expected = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)
+        if atten_mask is None or not torch.equal(atten_mask.bool(), expected):
+            raise ValueError("sparse_mode=2 expects the compressed 2048x2048 triu mask")
+        L, S = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), float("-inf"))
+    elif atten_mask is not None:
         scores = scores.masked_fill(atten_mask.bool(), float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if keep_prob < 1.0:

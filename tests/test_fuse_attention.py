@@ -133,3 +133,34 @@ def test_shim_follows_documented_mask_polarity(fake_torch_npu):
     got = fake_torch_npu.npu_fusion_attention(q, k, v, 1, "BNSD", atten_mask=masked, scale=0.5)[0]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=~masked, scale=0.5)
     torch.testing.assert_close(got, want)
+
+
+def test_causal_tril_buffer_becomes_is_causal():
+    from rewriter.examples import TunedBlock
+    torch.manual_seed(0)
+    model = TunedBlock(in_features=32, hidden=32, heads=4, max_len=16).eval()
+    x = torch.randn(2, 16, 32)
+    cap, sites = rewrite(model, (x,), "fuse_attention", front_end="dynamo")
+    assert len(sites) == 1 and "causal" in sites[0].description
+    assert "is_causal = True" in code(cap)
+    with torch.no_grad():
+        torch.testing.assert_close(cap(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_non_causal_buffer_stays_a_mask():
+    from rewriter.examples import TunedBlock
+    model = TunedBlock(in_features=32, hidden=32, heads=4, max_len=16).eval()
+    model.causal[3, 1] = False  # no longer lower-triangular
+    cap, sites = rewrite(model, (torch.randn(2, 16, 32),), "fuse_attention", front_end="dynamo")
+    assert len(sites) == 1 and "causal" not in sites[0].description and "is_causal" not in code(cap)
+
+
+def test_npu_causal_uses_compressed_mask_and_sparse_mode(fake_torch_npu):
+    from rewriter.examples import TunedBlock
+    torch.manual_seed(0)
+    model = TunedBlock(in_features=32, hidden=32, heads=4, max_len=16).train()
+    x = torch.randn(2, 16, 32)
+    cap, sites = rewrite(model, (x,), "fuse_attention", front_end="dynamo", training=True,
+                         backend=NpuBackend())
+    assert "sparse_mode = 2" in code(cap) and "triu" in code(cap)
+    torch.testing.assert_close(cap(x), model(x), rtol=1e-5, atol=1e-5)

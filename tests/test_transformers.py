@@ -146,3 +146,19 @@ def test_all_cpu_passes_kept_state_dict_stays_loadable(name):
     with torch.no_grad():
         torch.testing.assert_close(fast(**_inputs(False)).logits, fresh(**_inputs(False)).logits,
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_transformers_causal_masks_and_grouped_kv_are_recognised():
+    torch.manual_seed(0)
+    gpt2 = _optimize(_gpt2().eval(), _inputs(False))
+    d = next(d for d in gpt2.report.decisions if d.pass_name == "fuse_attention")
+    assert all("causal" in s for s in d.sites)
+    llama = _optimize(_llama().eval(), _inputs(False))
+    d = next(d for d in llama.report.decisions if d.pass_name == "fuse_attention")
+    assert all("causal" in s and "grouped k/v" in s for s in d.sites)
+    padded = dict(_inputs(False), attention_mask=torch.ones(2, SEQ, dtype=torch.long))
+    padded["attention_mask"][0, :5] = 0
+    torch._dynamo.reset()
+    with_padding = _optimize(_gpt2().eval(), padded)
+    d = next(d for d in with_padding.report.decisions if d.pass_name == "fuse_attention")
+    assert d.sites and not any("causal" in s for s in d.sites)  # padding: a real mask stays
