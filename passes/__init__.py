@@ -20,8 +20,9 @@ from passes import (  # noqa: F401  (import registers, in this order)
     fuse_linear,
     fuse_confusion_transpose,
     fold_batch_norm,
+    cast_to_half,
 )
 
 __all__ = ["fuse_qkv_projections", "fuse_attention", "fuse_rms_norm", "fuse_layer_norm",
            "fuse_gelu", "fuse_swiglu", "fuse_rotary_embedding", "fuse_one_hot", "fuse_linear",
-           "fuse_confusion_transpose", "fold_batch_norm"]
+           "fuse_confusion_transpose", "fold_batch_norm", "cast_to_half"]

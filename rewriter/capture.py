@@ -22,7 +22,8 @@ import torch.nn as nn
 from torch.fx import GraphModule
 
 from rewriter.errors import CaptureError
-from rewriter.ir import annotate_tensor_info, copy_graph_module, functionalize_leaf_modules
+from rewriter.ir import (annotate_tensor_info, copy_graph_module, fill_missing_info,
+                         functionalize_leaf_modules)
 from rewriter.pass_api import Pass, PassContext, Site
 from rewriter.verify import dropout_disabled
 
@@ -62,6 +63,7 @@ class GraphSlot:
             p.apply(gm, sites, ctx)
             gm.graph.lint()
             gm.recompile()
+            fill_missing_info(gm)  # later passes read the facts of the nodes this one made
             self.candidate = gm
         else:
             self.candidate = None

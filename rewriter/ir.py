@@ -158,6 +158,42 @@ class _InfoRecorder(torch.fx.Interpreter):
         return result
 
 
+def fill_missing_info(gm: GraphModule) -> None:
+    """Give nodes that passes made a :class:`TensorInfo`, by running the graph on fake tensors
+    built from the inputs' infos (no real compute). Best effort: a graph fake tensors cannot run
+    keeps what it had, and passes treat unknown facts as "decline"."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if all(tensor_info(n) is not None or not n.users for n in gm.graph.nodes
+           if n.op in ("call_function", "call_method")):
+        return
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        info = tensor_info(n)
+        if info is None:
+            inputs.append(n.meta.get("host_scalar", n.args[0] if n.args else None))
+            continue
+        with mode:
+            inputs.append(torch.empty_strided(info.shape, info.stride, dtype=info.dtype, device=info.device)
+                          .requires_grad_(info.requires_grad and info.dtype.is_floating_point))
+
+    class _Fill(torch.fx.Interpreter):
+        def run_node(self, n: Node) -> Any:
+            with mode:
+                result = super().run_node(n)
+            if isinstance(result, torch.Tensor) and tensor_info(n) is None:
+                n.meta["tensor_info"] = TensorInfo.of(result)
+            return result
+
+    try:
+        _Fill(gm).run(*inputs)
+    except Exception as e:  # noqa: BLE001 (unknown facts are safe: passes decline)
+        log.debug("fake-tensor propagation stopped: %s", e)
+
+
 def annotate_tensor_info(gm: GraphModule, args: tuple, kwargs: dict) -> None:
     """Run ``gm`` once on real inputs and record each node's :class:`TensorInfo`."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

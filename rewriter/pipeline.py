@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from rewriter import optimizers
+from rewriter import amp, optimizers
 from rewriter import plan as plans
 from rewriter.capture import Capture, DynamoCapture, GraphSlot, capture
 from rewriter.errors import CaptureError, PlanError
@@ -58,6 +58,7 @@ class Outcome:
     use_original: bool
     context: PassContext
     optimizer: torch.optim.Optimizer | None = None  # what optimize() returns beside the model
+    loss_scale: amp.DynamicLossScale | None = None  # fp16 training: scales gradients from outputs
 
 
 def run_pipeline(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
@@ -114,9 +115,26 @@ def run_pipeline(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
     if fused_opt is not None:
         optimizer = fused_opt.switch(job.optimizer)  # after the snapshot: this change stays
         report.notes.append(f"optimizer: {fused_opt.description}")
+    loss_scale = _loss_scaling(job, kept, optimizer, report)
     report.optimize_seconds = time.perf_counter() - started
     log.info("rewriter: done in %.1f s: %s", report.optimize_seconds, report.final.get("reason", ""))
-    return Outcome(report, cap, list(kept), not kept, ctx, optimizer)
+    return Outcome(report, cap, list(kept), not kept, ctx, optimizer, loss_scale)
+
+
+def _loss_scaling(job: Job, kept: list[Pass], optimizer: torch.optim.Optimizer | None,
+                  report: Report) -> amp.DynamicLossScale | None:
+    """fp16 training with half-precision GEMMs kept: dynamic loss scaling, the loop unchanged."""
+    if not (job.training and job.dtype == torch.float16 and any(p.name == "cast_to_half" for p in kept)):
+        return None
+    if optimizer is None:
+        report.notes.append("fp16 training without optimizer=: no loss scaling (gradients may "
+                            "underflow); pass the optimizer to optimize() to get it")
+        return None
+    scaler = amp.DynamicLossScale()
+    amp.attach_loss_scaling(optimizer, scaler)
+    report.notes.append(f"fp16 dynamic loss scaling on (initial scale {scaler.scale:g}); "
+                        "optimizer.step() skips a step whose gradients overflow")
+    return scaler
 
 
 def _try_passes(passes: list[Pass], cap: Capture, job: Job, ctx: PassContext, reference: dict,

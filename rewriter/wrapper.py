@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from rewriter import amp
 from rewriter.capture import DynamoCapture, FxCapture
 from rewriter.job import Job
 from rewriter.pipeline import Outcome, replay_on_slot
@@ -72,7 +73,12 @@ class OptimizedModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.__dict__["_pending"] is not None:
             self._optimize_now(args, kwargs)
-        return self._runner()(*args, **kwargs)
+        output = self._runner()(*args, **kwargs)
+        outcome = self.__dict__["_outcome"]
+        if outcome is not None and outcome.loss_scale is not None and self.training \
+                and torch.is_grad_enabled():
+            output = amp.scale_outputs(output, outcome.loss_scale)
+        return output
 
     def _optimize_now(self, args: tuple, kwargs: dict) -> None:
         pending = self.__dict__["_pending"]

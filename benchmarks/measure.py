@@ -1,0 +1,124 @@
+"""What a row reports besides its name: side-by-side timing, peak memory, numerics, the machine.
+
+    m = side_by_side(eager_step, config_step, BENCH_GATE)   # rewriter.gate.measure, interleaved
+    m.speedup, m.noise, m.candidate_ms
+    peak_memory_mb(config_step)     # torch.profiler memory events, one step
+    relative_error(out, reference)  # max |out - ref| / max |ref|
+
+Timing is the gate's own loop (``rewriter.gate.measure``): eager and the configuration run
+interleaved (A B, B A, ...) after warm-up in this process, and the speedup is the median of
+the paired ratios, so drift in clock speed or machine load hits both alike.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+from typing import Any, Callable
+
+import torch
+
+from rewriter.gate import GateSettings, Measurement, Step, WallClock, measure
+
+# Default run: at least 10 pairs; stop once the speedup is clear of 1 by two noise widths or
+# 5 s of pairs have run (at most 30 pairs).
+BENCH_GATE = GateSettings(warmup=2, warmup_seconds=0.5, max_warmup=10, min_pairs=10,
+                          max_pairs=30, budget_seconds=5.0)
+QUICK_GATE = GateSettings(warmup=1, warmup_seconds=0.0, max_warmup=1, min_pairs=3, max_pairs=3,
+                          budget_seconds=0.5)
+
+MEMORY_METHOD = ("peak of the bytes allocated during one step above those live when it began "
+                 "(torch.profiler memory events, via rewriter.profiling.profile_run): "
+                 "activations, gradients and workspace; not the weights or optimizer state")
+
+
+def side_by_side(eager: Callable[[], Any], config: Callable[[], Any],
+                 settings: GateSettings) -> Measurement:
+    """Eager (baseline) against a configuration, interleaved, in this process."""
+    return measure(Step(_discard(eager), (), "eager"), Step(_discard(config), (), "config"),
+                   clock=WallClock(), settings=settings)
+
+
+def _discard(step: Callable[[], Any]) -> Callable[[], None]:
+    def run() -> None:
+        step()
+    return run
+
+
+def spread_ms(times: list[float]) -> float | None:
+    """Interquartile range of step times, in ms."""
+    if len(times) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return 1e3 * (q3 - q1)
+
+
+def peak_memory_mb(step: Callable[[], Any], device: str = "cpu") -> float | None:
+    """Peak MB allocated during one profiled step (after one unprofiled warm-up step)."""
+    from rewriter.profiling import ProfileSettings, profile_run
+    settings = ProfileSettings(wait=0, warmup=1, active=1, record_shapes=False, profile_memory=True)
+    return profile_run(step, device, settings=settings, label="benchmark memory").peak_memory_mb
+
+
+def output_tensor(out: Any) -> torch.Tensor:
+    """The tensor to compare: transformers' ``logits``, else the output or its first tensor."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"no output tensor to compare in a {type(out).__name__}")
+
+
+def relative_error(out: Any, reference: torch.Tensor) -> float:
+    """``max |out - reference| / max |reference|``: bf16 shows ~1e-2, fp32 rewrites ~1e-6."""
+    got = output_tensor(out).detach().float()
+    want = reference.detach().float()
+    if got.shape != want.shape:
+        raise ValueError(f"output shape {tuple(got.shape)} differs from eager's {tuple(want.shape)}")
+    scale = want.abs().max().item()
+    return (got - want).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def machine_info() -> dict:
+    """CPU model and flags, cores, threads, library versions, date, load: the table's header."""
+    cpu, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not cpu:
+                    cpu = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass  # not Linux: the platform's own description below
+    cpu = cpu or platform.processor() or platform.machine()
+    try:
+        import transformers
+        transformers_version = transformers.__version__
+    except ImportError:
+        transformers_version = None
+    return {
+        "cpu": cpu,
+        "isa": {"avx512": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
+                "amx_bf16": "amx_bf16" in flags} if flags else {},
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers_version,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "load_average_at_start": load_average(),
+    }
+
+
+def load_average() -> float | None:
+    """1-minute load average (other work on the machine shows here), or None."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None

@@ -1,0 +1,264 @@
+"""The model zoo: real models with random weights, built from configs (nothing is downloaded).
+
+Each case carries one call's inputs, its loss, and its hand-tuned expert form with the same
+weights::
+
+    case = build_case("gpt2", quick=False, training=True)
+    out = case.model(**case.inputs)              # training inputs carry labels: out.loss exists
+    expert, inputs = case.make_expert(case.model)  # SDPA attention, same state_dict
+
+Default sizes keep the whole default run near 15 minutes on a 2-core CPU (eager training steps
+from about 2 ms, the single linear layer, to about 300 ms, the transformers); ``quick`` sizes are
+tiny, for the test that keeps the script working.
+Every dropout probability is 0, so all configurations compute comparable outputs.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+Inputs = tuple | dict
+
+
+@dataclass
+class ModelCase:
+    name: str
+    description: str                       # architecture and sizes, in words
+    model: nn.Module                       # fp32, random weights, in train() or eval() mode
+    inputs: Inputs                         # positional (tuple) or keyword (dict) args of one call
+    loss_fn: Callable[[Any], torch.Tensor] | None  # None: the output's own ``.loss``
+    make_expert: Callable[[nn.Module], tuple[nn.Module, Inputs]]  # same weights, tuned form
+    expert_description: str
+
+
+def call(model: Any, inputs: Inputs) -> Any:
+    """``model(*inputs)`` or ``model(**inputs)``."""
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+# --- transformers: GPT-2, BERT, LLaMA with eager (hand-written) attention ------------------
+
+@dataclass(frozen=True)
+class TransformerSize:
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    batch: int
+    seq: int
+
+
+TRANSFORMER_SIZES = {"default": TransformerSize(layers=4, hidden=256, heads=4, vocab=8000, batch=4, seq=256),
+                     "quick": TransformerSize(layers=2, hidden=32, heads=2, vocab=64, batch=2, seq=16)}
+
+
+def _gpt2_config(s: TransformerSize, attn: str) -> Any:
+    import transformers
+    # bos/eos inside the small vocabulary: the defaults (50256) trip transformers' config check.
+    return transformers.GPT2Config(n_layer=s.layers, n_embd=s.hidden, n_head=s.heads,
+                                   vocab_size=s.vocab, n_positions=s.seq, bos_token_id=0,
+                                   eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                   attn_implementation=attn)
+
+
+def _bert_config(s: TransformerSize, attn: str) -> Any:
+    import transformers
+    return transformers.BertConfig(num_hidden_layers=s.layers, hidden_size=s.hidden,
+                                   num_attention_heads=s.heads, intermediate_size=4 * s.hidden,
+                                   vocab_size=s.vocab, max_position_embeddings=s.seq,
+                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                   attn_implementation=attn)
+
+
+def _llama_config(s: TransformerSize, attn: str) -> Any:
+    import transformers
+    # Grouped-query attention (half as many KV heads), SwiGLU MLP at LLaMA's 8/3 ratio.
+    return transformers.LlamaConfig(num_hidden_layers=s.layers, hidden_size=s.hidden,
+                                    intermediate_size=(8 * s.hidden // 3 + 63) // 64 * 64,
+                                    num_attention_heads=s.heads, num_key_value_heads=max(1, s.heads // 2),
+                                    vocab_size=s.vocab, max_position_embeddings=s.seq,
+                                    attention_dropout=0.0, attn_implementation=attn)
+
+
+_TRANSFORMERS = {"gpt2": ("GPT2LMHeadModel", _gpt2_config),
+                 "bert": ("BertForMaskedLM", _bert_config),
+                 "llama": ("LlamaForCausalLM", _llama_config)}
+
+
+def _transformer_case(name: str, size: str, training: bool) -> ModelCase:
+    import transformers
+    class_name, make_config = _TRANSFORMERS[name]
+    cls = getattr(transformers, class_name)
+    s = TRANSFORMER_SIZES[size]
+    model = cls(make_config(s, "eager")).train(training)
+    ids = torch.randint(0, s.vocab, (s.batch, s.seq), generator=torch.Generator().manual_seed(1))
+    # labels=input_ids: out.loss exists (causal LM shifts them; BERT's MLM loss covers every token).
+    inputs = {"input_ids": ids, "labels": ids} if training else {"input_ids": ids}
+
+    def make_expert(m: nn.Module) -> tuple[nn.Module, Inputs]:
+        # What a practitioner does by hand: transformers' own SDPA attention, same weights.
+        expert = cls(make_config(s, "sdpa")).train(m.training)
+        expert.load_state_dict(m.state_dict())
+        return expert, inputs
+
+    description = (f"{class_name}, {s.layers} layers, hidden {s.hidden}, {s.heads} heads, vocab "
+                   f"{s.vocab}, eager attention; batch {s.batch} x {s.seq} tokens")
+    return ModelCase(name, description, model, inputs, None, make_expert,
+                     "transformers' SDPA attention (attn_implementation='sdpa')")
+
+
+# --- a convolutional model ---------------------------------------------------------------
+
+class _ResidualBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(y)))
+
+
+class ConvNet(nn.Module):
+    """A small ResNet-style classifier: a conv-BN-ReLU stem, three residual stages (each stage
+    after the first halves the resolution and doubles the channels), global pool, linear head."""
+
+    def __init__(self, width: int = 32, classes: int = 10) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv2d(3, width, 3, padding=1, bias=False),
+                                   nn.BatchNorm2d(width), nn.ReLU(), _ResidualBlock(width)]
+        for c in (width, 2 * width):
+            layers += [nn.Conv2d(c, 2 * c, 3, stride=2, padding=1, bias=False),
+                       nn.BatchNorm2d(2 * c), nn.ReLU(), _ResidualBlock(2 * c)]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(4 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def _convnet_case(size: str, training: bool) -> ModelCase:
+    width, batch, res = (32, 8, 64) if size == "default" else (8, 2, 16)
+    model = ConvNet(width).train(training)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 3, res, res, generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+
+    def make_expert(m: nn.Module) -> tuple[nn.Module, Inputs]:
+        # oneDNN's preferred layout on CPU: channels_last weights and activations.
+        expert = copy.deepcopy(m).to(memory_format=torch.channels_last)
+        return expert, (x.contiguous(memory_format=torch.channels_last),)
+
+    description = (f"ConvNet (ResNet-style, BatchNorm), widths {width}-{2 * width}-{4 * width}; "
+                   f"batch {batch} x 3 x {res} x {res}")
+    return ModelCase("convnet", description, model, (x,),
+                     lambda out: F.cross_entropy(out.float(), y), make_expert,
+                     "channels_last memory format")
+
+
+# --- an MLP whose input is a one-hot -------------------------------------------------------
+
+class OneHotMLP(nn.Module):
+    """Token ids -> one-hot -> Linear -> GELU -> Linear -> GELU -> Linear (classes).
+
+    The first layer multiplies a (batch, vocab) one-hot matrix by the weight: a full GEMM whose
+    result is one weight column per row. ``lookup=True`` is the hand-written equivalent, a row
+    gather (``F.embedding`` on the transposed weight), with the same parameters.
+    """
+
+    def __init__(self, vocab: int, hidden: int, classes: int, lookup: bool = False) -> None:
+        super().__init__()
+        self.vocab, self.lookup = vocab, lookup
+        self.fc_in = nn.Linear(vocab, hidden)
+        self.fc_mid = nn.Linear(hidden, hidden)
+        self.fc_out = nn.Linear(hidden, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.lookup:
+            h = F.embedding(ids, self.fc_in.weight.t()) + self.fc_in.bias
+        else:
+            h = self.fc_in(F.one_hot(ids, self.vocab).float())
+        return self.fc_out(F.gelu(self.fc_mid(F.gelu(h))))
+
+
+def _onehot_mlp_case(size: str, training: bool) -> ModelCase:
+    vocab, hidden, classes, batch = (4096, 512, 16, 512) if size == "default" else (64, 32, 4, 8)
+    model = OneHotMLP(vocab, hidden, classes).train(training)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch,), generator=gen)
+    y = torch.randint(0, classes, (batch,), generator=gen)
+
+    def make_expert(m: nn.Module) -> tuple[nn.Module, Inputs]:
+        expert = copy.deepcopy(m)
+        expert.lookup = True
+        return expert, (ids,)
+
+    description = f"OneHotMLP, one-hot of {vocab} -> {hidden} -> {hidden} -> {classes}; batch {batch}"
+    return ModelCase("onehot_mlp", description, model, (ids,),
+                     lambda out: F.cross_entropy(out.float(), y), make_expert,
+                     "F.embedding row gather instead of the one-hot GEMM")
+
+
+# --- the tuning guide's MatMul case --------------------------------------------------------
+
+class TransposedLinear(nn.Module):
+    """``x @ W.t() + b`` written out, as the NPU tuning guide's MatMul case study finds it.
+    ``fused=True`` is the hand-written form, ``F.linear`` (one GEMM with the bias)."""
+
+    def __init__(self, in_features: int, out_features: int, fused: bool = False) -> None:
+        super().__init__()
+        self.fused = fused
+        self.weight = nn.Parameter(torch.randn(out_features, in_features) / in_features ** 0.5)
+        self.bias = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return F.linear(x, self.weight, self.bias)
+        return torch.matmul(x, self.weight.t()) + self.bias
+
+
+def _transposed_linear_case(size: str, training: bool) -> ModelCase:
+    rows, k, n = (256, 1024, 256) if size == "default" else (32, 64, 32)
+    model = TransposedLinear(k, n).train(training)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, k, generator=gen)
+    target = torch.randn(rows, n, generator=gen)
+
+    def make_expert(m: nn.Module) -> tuple[nn.Module, Inputs]:
+        expert = copy.deepcopy(m)
+        expert.fused = True
+        return expert, (x,)
+
+    description = f"TransposedLinear, x [{rows},{k}] x W.t() [{k},{n}] + b"
+    return ModelCase("transposed_linear", description, model, (x,),
+                     lambda out: F.mse_loss(out.float(), target), make_expert, "F.linear")
+
+
+BUILDERS: dict[str, Callable[[str, bool], ModelCase]] = {
+    "gpt2": lambda size, training: _transformer_case("gpt2", size, training),
+    "bert": lambda size, training: _transformer_case("bert", size, training),
+    "llama": lambda size, training: _transformer_case("llama", size, training),
+    "convnet": _convnet_case,
+    "onehot_mlp": _onehot_mlp_case,
+    "transposed_linear": _transposed_linear_case,
+}
+MODEL_NAMES = tuple(BUILDERS)
+
+
+def build_case(name: str, *, quick: bool, training: bool, seed: int = 0) -> ModelCase:
+    """The model ``name`` with seeded random weights, its inputs, loss and expert form."""
+    if name not in BUILDERS:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
+    torch.manual_seed(seed)
+    case = BUILDERS[name]("quick" if quick else "default", training)
+    params = sum(p.numel() for p in case.model.parameters())
+    case.description += f"; {params / 1e6:.2f} M parameters"
+    return case

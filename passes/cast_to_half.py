@@ -1,0 +1,117 @@
+"""cast_to_half: automatic mixed precision written into the graph (only with optimize(dtype=...)).
+
+Rewrites each operator on the half list (``rewriter.amp.HALF_OPS``: linear, matmul, bmm, conv,
+attention, ...) to take its floating inputs in the half dtype, and each operator on the fp32 list
+(``rewriter.amp.FLOAT_OPS``: softmax, norms, reductions, exp/log, losses) to take them in fp32::
+
+    y = F.linear(x, w, b)          ->  y = F.linear(x.to(bf16), w.to(bf16), b.to(bf16))
+    p = F.softmax(s, -1)           ->  p = F.softmax(s.to(float32), -1)     (s was half)
+
+Everything else runs in whatever its inputs are (type promotion, as autocast does). A tensor
+is cast at most once per dtype (``w.to(bf16)`` is shared by every user of ``w``), so the
+rewritten graph's code shows each cast exactly where it happens; a cast of a tensor that
+already has the dtype costs nothing at run time (``Tensor.to`` returns it). The lists are the user's to
+change (``rewriter.amp.register_half_function`` / ``register_float_function``).
+Safe when: the graph's floating tensors are fp32 (a model already in half precision is left).
+Contract: reduced (half-precision GEMMs): only with ``optimize(dtype=torch.bfloat16 | float16)``,
+verified at that dtype's tolerance. fp16 training also gets dynamic loss scaling (rewriter.amp).
+Devices: cpu (bf16, where the CPU has AMX/AVX512-BF16), cuda, npu (fp16; bf16 where supported).
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from rewriter import amp
+from rewriter.ir import mark_new_node, tensor_info
+from rewriter.pass_api import Pass, PassContext, Site, register_pass
+
+
+def _floating(value: object) -> bool:
+    info = tensor_info(value)
+    return info is not None and info.dtype.is_floating_point
+
+
+def _known_dtype(value: Node, half: torch.dtype) -> torch.dtype | None:
+    """The dtype ``value`` certainly has once the casts are in, or None when it depends.
+
+    Only what is certain: a half-list op makes half, an fp32-list op fp32, an explicit cast its
+    dtype, an input or parameter its own. Anything else gets a cast, which costs nothing when
+    the tensor already has that dtype (``Tensor.to`` returns it unchanged).
+    """
+    precision = amp.precision_of(value) if value.op in ("call_function", "call_method") else None
+    if precision == "half":
+        return half
+    if precision == "float":
+        return torch.float32
+    if value.op == "call_method" and value.target == "to" and isinstance(value.args[-1], torch.dtype):
+        return value.args[-1]
+    if value.op in ("placeholder", "get_attr"):
+        info = tensor_info(value)
+        return info.dtype if info is not None else None
+    return None
+
+
+def _tensor_args(node: Node) -> list[Node]:
+    found: list[Node] = []
+    for a in list(node.args) + list(node.kwargs.values()):
+        items = a if isinstance(a, (list, tuple)) else (a,)
+        found += [x for x in items if isinstance(x, Node) and _floating(x)]
+    return list(dict.fromkeys(found))
+
+
+class CastToHalf(Pass):
+    name = "cast_to_half"
+    contract = "reduced"
+    devices = frozenset({"cpu", "cuda", "npu"})
+
+    def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
+        if ctx.dtype not in ctx.backend.amp_dtypes:
+            return []  # e.g. fp16 on a CPU: no fast half GEMMs to gain
+        if any(_floating(n) and tensor_info(n).dtype != torch.float32 for n in gm.graph.nodes
+               if n.op == "placeholder"):
+            return []  # already mixed or half: leave the user's choice alone
+        sites = []
+        for node in gm.graph.nodes:
+            precision = amp.precision_of(node) if node.op in ("call_function", "call_method") else None
+            if precision is None:
+                continue
+            want = ctx.dtype if precision == "half" else torch.float32
+            casts = [a for a in _tensor_args(node) if _known_dtype(a, ctx.dtype) != want]
+            if casts:
+                label = str(want).replace("torch.", "")
+                sites.append(Site(node, f"{node.name}: {label}{amp.forced_note(node)}", (want, casts)))
+        return sites
+
+    def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
+        g = gm.graph
+        made: dict[tuple[Node, torch.dtype], Node] = {}
+        for site in sites:
+            node: Node = site.anchor
+            want, casts = site.match
+            for value in casts:
+                key = (value, want)
+                if key not in made:  # one cast per tensor and dtype
+                    with g.inserting_after(_after_placeholders(g) if value.op == "placeholder" else value):
+                        made[key] = mark_new_node(g.call_method("to", (value, want)), self.name)
+                cast = made[key]
+                node.args = _replace(node.args, value, cast)
+                node.kwargs = {k: _replace(v, value, cast) if isinstance(v, (list, tuple)) else
+                               (cast if v is value else v) for k, v in node.kwargs.items()}
+            node.meta["rewriter_pass"] = self.name
+
+
+def _after_placeholders(g: object) -> Node:
+    """The last placeholder: graph inputs stay together at the top."""
+    return [n for n in g.nodes if n.op == "placeholder"][-1]  # type: ignore[attr-defined]
+
+
+def _replace(args: object, old: Node, new: Node) -> object:
+    if isinstance(args, tuple):
+        return tuple(_replace(a, old, new) for a in args)
+    if isinstance(args, list):
+        return [_replace(a, old, new) for a in args]
+    return new if args is old else args
+
+
+register_pass(CastToHalf())

@@ -1,0 +1,165 @@
+"""cast_to_half (AMP in the graph), the user's half/fp32 lists, and fp16 loss scaling."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import rewriter
+from rewriter import amp
+from rewriter.backends import CpuBackend, NpuBackend
+from tests.controlled import QUICK, ControlledClock
+from tests.models import HandAttention
+
+HALF_FASTER = {"cast_to_half": 0.5}
+
+
+class Block(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.attn = HandAttention("mul", d=d)
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        h = self.norm(x + self.attn(x).transpose(1, 2).reshape(x.shape))
+        h = h + self.fc(h)
+        return self.head(h).mean(1)
+
+
+@pytest.fixture(autouse=True)
+def restore_amp_lists():
+    saved = (set(amp.HALF_OPS), set(amp.FLOAT_OPS), dict(amp.FORCED))
+    yield
+    amp.HALF_OPS.clear(), amp.HALF_OPS.update(saved[0])
+    amp.FLOAT_OPS.clear(), amp.FLOAT_OPS.update(saved[1])
+    amp.FORCED.clear(), amp.FORCED.update(saved[2])
+
+
+def _opt(model, x, **kw):
+    kw.setdefault("clock", ControlledClock(HALF_FASTER))
+    return rewriter.optimize(model, (x,), passes=["cast_to_half"], gate=QUICK, progress=False,
+                             profile=False, **kw)
+
+
+def _data():
+    torch.manual_seed(0)
+    return Block(), torch.randn(4, 16, 32)
+
+
+def test_casts_fire_and_numerics_hold_at_bf16_tolerance():
+    model, x = _data()
+    fast = _opt(model.eval(), x, dtype=torch.bfloat16)
+    d = fast.report.decisions[0]
+    assert d.kept and any("linear" in s or "fc" in s for s in d.sites)
+    src = fast.graph_code()["graph_0"]
+    assert "to(torch.bfloat16)" in src and "to(torch.float32)" in src  # softmax/norm back to fp32
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x).float(), model(x), rtol=1.6e-2, atol=2e-2)
+
+
+def test_a_tensor_is_cast_once_per_dtype():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return x @ self.w + (x * 2) @ self.w
+    fast = _opt(Shared().eval(), torch.randn(4, 8), dtype=torch.bfloat16)
+    src = fast.graph_code()["graph_0"]
+    assert src.count("w.to(torch.bfloat16)") == 1  # one cast feeds both matmuls
+
+
+def test_not_applicable_without_dtype_and_declined_for_a_dtype_the_device_lacks():
+    model, x = _data()
+    assert _opt(model, x).report.decisions[0].status == "not applicable"
+    # fp16 GEMMs are slow on this CPU: the CPU backend offers only bf16
+    assert torch.float16 not in CpuBackend.amp_dtypes
+    assert _opt(model.eval(), x, dtype=torch.float16).report.decisions[0].status == "no sites"
+
+
+def test_model_already_in_half_is_left_alone():
+    model, x = _data()
+    fast = _opt(model.to(torch.bfloat16).eval(), x.to(torch.bfloat16), dtype=torch.bfloat16)
+    assert fast.report.decisions[0].status == "no sites"
+
+
+def test_user_forces_an_op_to_fp32_and_sees_it_in_the_report():
+    model, x = _data()
+    amp.register_float_function(torch, "matmul")
+    fast = _opt(model.eval(), x, dtype=torch.bfloat16)
+    sites = fast.report.decisions[0].sites
+    assert any("float32 (forced to float)" in s for s in sites)
+    assert "(forced to float)" in fast.report.to_markdown()
+    with pytest.raises(ValueError, match="no attribute"):
+        amp.register_half_function(torch, "not_an_op")
+
+
+def test_user_forces_an_op_to_half():
+    model, x = _data()
+    amp.register_half_function(torch.nn.functional, "softmax")
+    fast = _opt(model.eval(), x, dtype=torch.bfloat16)
+    assert any("softmax" in s and "forced to half" in s for s in fast.report.decisions[0].sites)
+
+
+def test_npu_fp16_form_on_the_shim(fake_torch_npu):
+    model, x = _data()
+    fast = _opt(model.eval(), x, dtype=torch.float16, device=NpuBackend())
+    assert fast.report.decisions[0].kept
+    assert "to(torch.float16)" in fast.graph_code()["graph_0"]
+
+
+def test_twenty_training_steps_track_the_fp32_loss_curve():
+    model, x = _data()
+    y = torch.randint(0, 10, (4,))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    fast, opt = rewriter.optimize(model, (x,), optimizer=opt, loss_fn=lambda o: F.cross_entropy(o.float(), y),
+                                  dtype=torch.bfloat16, passes=["cast_to_half"],
+                                  clock=ControlledClock(HALF_FASTER), gate=QUICK, progress=False, profile=False)
+    assert fast.report.kept_passes[:1] == ["cast_to_half"]
+    for step in range(20):
+        loss = F.cross_entropy(fast(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        # bf16 keeps 8 bits of mantissa: the two curves may part by about 1.6e-2 relative
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1.6e-2, atol=1e-2,
+                                   msg=lambda m: f"step {step}: {m}")
+
+
+class _Fp16Cpu(CpuBackend):
+    amp_dtypes = (torch.float16, torch.bfloat16)  # lets the fp16 path run on this CPU
+
+
+def test_fp16_loss_scaling_skips_an_overflow_step_and_backs_off():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fast, opt = rewriter.optimize(model, (x,), optimizer=opt, loss_fn=lambda o: o.float().mean(),
+                                  dtype=torch.float16, device=_Fp16Cpu(), passes=["cast_to_half"],
+                                  clock=ControlledClock(HALF_FASTER), gate=QUICK, progress=False, profile=False)
+    scaler = fast._outcome.loss_scale
+    assert scaler is not None and scaler.scale == 2.0 ** 16
+    scaler.scale = 2.0 ** 4  # a scale this small model's fp16 gradients take without overflow
+    before = [p.detach().clone() for p in model.parameters()]
+    fast(x).float().mean().backward()  # an ordinary step: gradients scaled, then unscaled
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    opt.zero_grad()
+    ref = copy.deepcopy(model)
+    assert all(torch.isfinite(g).all() for g in grads) and scaler.skipped_steps == 0
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    (fast(x).float().mean() * 1e10).backward()  # a gradient fp16 cannot hold
+    opt.step()
+    assert scaler.skipped_steps == 1 and scaler.scale == 2.0 ** 3
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))

@@ -1,0 +1,96 @@
+"""The benchmark script runs end to end at tiny sizes, so it cannot rot. Timings here mean nothing.
+
+The torch.compile configurations are left out (``--configs``): Inductor's C++ compile takes tens
+of seconds per model on a 2-core CPU. They run in the real benchmark, ``python -m benchmarks.run``.
+``--passes`` narrows optimize() to two passes to keep this test short.
+"""
+import json
+
+import pytest
+
+from benchmarks import run
+from benchmarks.configs import Config, Setup
+from benchmarks.measure import QUICK_GATE
+from benchmarks.models import build_case
+from benchmarks.results import CHART, JSON, MARKDOWN
+
+pytest.importorskip("transformers")
+
+MODELS = ["transposed_linear", "gpt2"]
+CONFIGS = ["eager", "optimize", "expert", "expert_autocast"]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    status = run.main(["--quick", "--models", ",".join(MODELS), "--mode", "train",
+                       "--configs", ",".join(CONFIGS), "--passes", "fuse_attention,fuse_linear",
+                       "--out", str(out)])
+    return status, out, json.loads((out / JSON).read_text())
+
+
+def test_every_row_ran(quick_run):
+    status, _, data = quick_run
+    rows = data["rows"]
+    assert [(r["model"], r["config"]) for r in rows] == [(m, c) for m in MODELS for c in CONFIGS]
+    assert [r["error"] for r in rows] == [None] * len(rows)
+    assert status == 0
+    for r in rows:
+        assert r["speedup"] > 0 and r["pairs"] >= 3 and r["step_ms"] > 0 and r["eager_ms"] > 0
+        assert r["first_step_s"] > 0 and r["peak_mb"] is not None
+
+
+def test_numerics_against_eager(quick_run):
+    by = {(r["model"], r["config"]): r for r in quick_run[2]["rows"]}
+    for model in MODELS:
+        assert by[model, "eager"]["rel_error"] == 0          # same weights, same input, same code
+        assert by[model, "optimize"]["rel_error"] < 1e-4     # fp32 rewrites: rounding only
+        assert by[model, "expert"]["rel_error"] < 1e-4
+        assert 0 < by[model, "expert_autocast"]["rel_error"] < 5e-2   # bf16 by design
+    opt = by["gpt2", "optimize"]
+    assert opt["optimize_s"] > 0
+    assert [d["pass"] for d in opt["decisions"]][:2] == ["fuse_attention", "fuse_linear"]
+
+
+def test_markdown_has_machine_tables_and_reading(quick_run):
+    _, out, data = quick_run
+    md = (out / MARKDOWN).read_text()
+    assert data["machine"]["cpu"] and data["machine"]["torch"] in md
+    for heading in ("## Machine", "## Method", "speedup over eager", "## Reading"):
+        assert heading in md
+    for model in MODELS:
+        assert f"### {model}" in md
+    for label in ("eager fp32", "optimize()", "expert", "expert + autocast bf16"):
+        assert f"| {label} |" in md
+
+
+def test_chart(quick_run):
+    pytest.importorskip("matplotlib")
+    _, out, _ = quick_run
+    assert (out / CHART).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_failing_configuration_is_a_row_not_a_crash():
+    case = build_case("transposed_linear", quick=True, training=True)
+
+    def broken(setup):
+        raise RuntimeError("no such backend")
+    row = run.run_config(Config("broken", "broken", broken), Setup(case, case.model, True, quick=True),
+                         "train", lambda: None, case.model(*case.inputs), QUICK_GATE)
+    assert row.error == "RuntimeError: no such backend" and row.speedup is None
+
+
+def test_unknown_names_are_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        run.parse_args(["--models", "gpt3", "--out", str(tmp_path)])
+
+
+def test_a_model_that_cannot_be_built_is_rows_with_its_error(tmp_path, monkeypatch):
+    def no_model(name, **kw):
+        raise ImportError("no transformers here")
+    monkeypatch.setattr(run, "build_case", no_model)
+    status = run.main(["--quick", "--models", "gpt2", "--configs", "eager,optimize", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / JSON).read_text())["rows"]
+    assert status == 1 and [r["config"] for r in rows] == ["eager", "optimize"]
+    assert all("ImportError: no transformers here" in r["error"] for r in rows)
+    assert "Not built" in (tmp_path / MARKDOWN).read_text()
