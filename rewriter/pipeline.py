@@ -18,13 +18,13 @@ import torch
 
 from rewriter import amp, optimizers
 from rewriter import plan as plans
+from rewriter.advisor import advise
 from rewriter.capture import Capture, DynamoCapture, GraphSlot, capture
 from rewriter.errors import CaptureError, PlanError
 from rewriter.gate import Clock, GateSettings, Step, WallClock, decide, measure
 from rewriter.ir import structure_signature
 from rewriter.job import Job, switched
 from rewriter.pass_api import Pass, PassContext, registered_passes
-from rewriter.advisor import advise
 from rewriter.profiling import ProfileSettings, compare, profile_run
 from rewriter.report import Decision, Report
 from rewriter.state import preserved_state
@@ -79,7 +79,7 @@ def run_pipeline(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
             report.plan = plans.make_plan({}, [], [])
             log.warning("rewriter: %s; the original model will run", e)
             report.optimize_seconds = time.perf_counter() - started
-            return Outcome(report, None, [], True, ctx)
+            return Outcome(report, None, [], True, ctx, job.optimizer)
         snapshot.restore()
         if isinstance(cap, DynamoCapture):
             cap.on_new_graph = lambda slot: replay_on_slot(slot, kept, ctx)

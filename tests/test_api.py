@@ -207,3 +207,17 @@ def test_plan_records_and_replays_the_fused_optimizer(tmp_path, attn):
                        plan=str(tmp_path / "plan.json"))
     assert opt2.param_groups[0]["fused"]
     assert [d.status for d in again.report.decisions] == ["replayed", "replayed"]
+
+
+def test_capture_failure_runs_the_original_and_keeps_the_optimizer(monkeypatch, attn):
+    from rewriter import pipeline
+    from rewriter.errors import CaptureError
+    model, x = attn
+
+    def fail(*a, **k):
+        raise CaptureError("no front-end captured it")
+    monkeypatch.setattr(pipeline, "_checked_capture", fail)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fast, opt2 = _opt(model, (x,), optimizer=opt, loss_fn=lambda o: o.mean())
+    assert opt2 is opt and fast._runner() is model
+    assert "capture failed" in fast.report.final["reason"]
