@@ -4,10 +4,12 @@
     fast = rewriter.optimize(model, example_inputs=(x,))
     print(fast.report)
 """
+from rewriter import amp
 from rewriter.api import optimize
 from rewriter.backends import Backend, get_backend
 from rewriter.errors import CaptureError, PassError, PlanError, RewriterError, VerificationError
 from rewriter.gate import GateSettings
+from rewriter.host import bind_cores
 from rewriter.optimizers import clip_grad_norm_, zero_grad
 from rewriter.pass_api import Pass, PassContext, Site, register_pass, registered_passes
 from rewriter.report import Decision, Report
@@ -20,10 +22,10 @@ __all__ = [
     "optimize", "OptimizedModel", "Report", "Decision",
     # bringing your own pass
     "Pass", "PassContext", "Site", "register_pass", "registered_passes",
-    # the gradient step
-    "clip_grad_norm_", "zero_grad",
+    # the gradient step and mixed precision (amp.register_half_function, ...)
+    "clip_grad_norm_", "zero_grad", "amp",
     # devices and measuring
-    "Backend", "get_backend", "GateSettings",
+    "Backend", "get_backend", "GateSettings", "bind_cores",
     # errors
     "RewriterError", "CaptureError", "PassError", "PlanError", "VerificationError",
 ]

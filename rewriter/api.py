@@ -126,10 +126,18 @@ def optimize(
 def _run_on_every_rank(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
     """Rank 0 decides (or replays the user's plan); every other rank replays rank 0's plan."""
     if distributed.rank() == 0:
-        outcome = run_pipeline(job, passes, settings)
+        try:
+            outcome = run_pipeline(job, passes, settings)
+        except BaseException as e:
+            # The other ranks wait in the broadcast: tell them, or their next collective pairs
+            # with the wrong one.
+            distributed.share_plan({"error": f"{type(e).__name__}: {e}"})
+            raise
         distributed.share_plan(outcome.report.plan or {})
         return outcome
     plan = distributed.share_plan(None)
+    if "error" in plan:
+        raise RuntimeError(f"rank 0 failed to optimize, so no rank rewrites: {plan['error']}")
     if not plan.get("kept_passes") and not plan.get("optimizer"):
         report = Report(model=type(job.model).__name__, device=job.backend.name, mode=job.mode,
                         dtype=None, final={"kept": False, "reason": "rank 0 kept no rewrite"})

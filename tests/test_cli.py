@@ -17,3 +17,14 @@ def test_demo_runs_and_writes_report(tmp_path, capsys, monkeypatch):
     sites = {d["pass_name"]: len(d["sites"]) for d in report["decisions"]}
     assert sites["fuse_linear"] == 1 and sites["fuse_attention"] == 1
     assert (tmp_path / "plan.json").exists()
+
+
+def test_help_lists_the_subcommands(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert all(name in out for name in ("demo", "optimize", "profile"))
+    assert "package.module:factory" in out  # the SPEC forms are explained
