@@ -168,7 +168,9 @@ def _optimize_compile(s: Setup) -> Variant:
     seen: list[str] = []
 
     def inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        from torch._inductor.compile_fx import compile_fx  # what backend="inductor" runs
+        from torch._inductor.compile_fx import (
+            compile_fx,  # what backend="inductor" runs
+        )
         seen.append(gm.code)
         return compile_fx(gm, example_inputs)
 

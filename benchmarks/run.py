@@ -28,12 +28,28 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 import rewriter
-from rewriter.gate import GateSettings
-from benchmarks.configs import CONFIG_NAMES, CONFIGS, Config, Setup, make_step, plain_optimizer
-from benchmarks.measure import (BENCH_GATE, QUICK_GATE, load_average, machine_info, output_tensor,
-                                peak_memory_mb, relative_error, side_by_side, spread_ms)
+from benchmarks.configs import (
+    CONFIG_NAMES,
+    CONFIGS,
+    Config,
+    Setup,
+    make_step,
+    plain_optimizer,
+)
+from benchmarks.measure import (
+    BENCH_GATE,
+    QUICK_GATE,
+    load_average,
+    machine_info,
+    output_tensor,
+    peak_memory_mb,
+    relative_error,
+    side_by_side,
+    spread_ms,
+)
 from benchmarks.models import MODEL_NAMES, build_case
 from benchmarks.results import Results, Row, write_outputs
+from rewriter.gate import GateSettings
 
 MODES = {"train": ("train",), "infer": ("infer",), "both": ("train", "infer")}
 

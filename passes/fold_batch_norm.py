@@ -22,7 +22,15 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import arg, hoist_reads, is_op, is_parameter_like, mark_new_node, single_user, tensor_info
+from rewriter.ir import (
+    arg,
+    hoist_reads,
+    is_op,
+    is_parameter_like,
+    mark_new_node,
+    single_user,
+    tensor_info,
+)
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 

@@ -26,18 +26,25 @@ Devices: cpu, cuda (SDPA), npu (npu_fusion_attention in training, SDPA in infere
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from rewriter.backends import AttentionSpec
-from rewriter.ir import (CAST_OPS, arg, erase_if_unused, is_op, mark_new_node, op_name,
-                         single_user, static_number, static_tensor, tensor_info)
+from rewriter.ir import (
+    CAST_OPS,
+    arg,
+    is_op,
+    op_name,
+    replace_node,
+    single_user,
+    static_number,
+    static_tensor,
+    tensor_info,
+)
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 _VERY_NEGATIVE = -1e4
@@ -392,10 +399,7 @@ class FuseAttention(Pass):
                     _, cond, index = spec.bool_of_additive
                     spec = dataclasses.replace(spec, bool_of_additive=graph.call_function(operator.getitem, (cond, index)))
                 new = ctx.backend.emit_attention(graph, spec, ctx.training)
-            mark_new_node(new, self.name, like=m.out)
-            m.out.replace_all_uses_with(new)
-            graph.erase_node(m.out)
-            erase_if_unused(graph, list(reversed(m.chain)))
+            replace_node(m.out, new, self.name, list(reversed(m.chain)))
 
 
 register_pass(FuseAttention())

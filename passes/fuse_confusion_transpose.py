@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import erase_if_unused, is_op, mark_new_node, op_name, single_user, tensor_info
+from rewriter.ir import is_op, op_name, replace_node, single_user, tensor_info
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 
@@ -86,10 +86,7 @@ class FuseConfusionTranspose(Pass):
             node: Node = site.anchor
             with g.inserting_before(node):
                 new = ctx.backend.emit_confusion_transpose(g, x, perm, shape, first)
-            mark_new_node(new, self.name, like=node)
-            node.replace_all_uses_with(new)
-            g.erase_node(node)
-            erase_if_unused(g, list(reversed(dead)))
+            replace_node(node, new, self.name, list(reversed(dead)))
 
 
 register_pass(FuseConfusionTranspose())

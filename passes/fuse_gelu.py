@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import erase_if_unused, is_op, mark_new_node, single_user, static_number
+from rewriter.ir import is_op, replace_node, single_user, static_number
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -115,10 +115,7 @@ class FuseGelu(Pass):
             with g.inserting_before(m.out):
                 new = (ctx.backend.emit_gelu_tanh(g, m.x) if m.kind == "tanh"
                        else ctx.backend.emit_quick_gelu(g, m.x))
-            mark_new_node(new, self.name, like=m.out)
-            m.out.replace_all_uses_with(new)
-            g.erase_node(m.out)
-            erase_if_unused(g, m.dead)
+            replace_node(m.out, new, self.name, m.dead)
 
 
 register_pass(FuseGelu())

@@ -20,8 +20,14 @@ from dataclasses import dataclass
 
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import (arg, erase_if_unused, is_op, mark_new_node, single_user, static_number,
-                         tensor_info)
+from rewriter.ir import (
+    arg,
+    is_op,
+    replace_node,
+    single_user,
+    static_number,
+    tensor_info,
+)
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 
@@ -152,10 +158,7 @@ class FuseLayerNorm(Pass):
             m: LayerNormMatch = site.match
             with g.inserting_before(m.out):
                 new = ctx.backend.emit_layer_norm(g, m.x, m.weight, m.bias, m.eps, m.dim)
-            mark_new_node(new, self.name, like=m.out)
-            m.out.replace_all_uses_with(new)
-            g.erase_node(m.out)
-            erase_if_unused(g, m.dead)
+            replace_node(m.out, new, self.name, m.dead)
 
 
 register_pass(FuseLayerNorm())

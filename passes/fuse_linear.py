@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import arg, erase_if_unused, is_op, mark_new_node, op_name, tensor_info
+from rewriter.ir import arg, is_op, op_name, replace_node, tensor_info
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 
@@ -126,10 +126,8 @@ class FuseLinear(Pass):
             m: LinearMatch = site.match
             with graph.inserting_before(m.out):
                 args = (m.x, m.weight) if m.bias is None else (m.x, m.weight, m.bias)
-                new = mark_new_node(graph.call_function(F.linear, args), self.name, like=m.out)
-            m.out.replace_all_uses_with(new)
-            graph.erase_node(m.out)
-            erase_if_unused(graph, m.dead)
+                new = graph.call_function(F.linear, args)
+            replace_node(m.out, new, self.name, m.dead)
 
 
 register_pass(FuseLinear())

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import arg, erase_if_unused, is_cast, is_op, mark_new_node, single_user, tensor_info
+from rewriter.ir import arg, is_cast, is_op, replace_node, single_user, tensor_info
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 
@@ -81,10 +81,7 @@ class FuseOneHot(Pass):
                 new = g.call_function(F.embedding, (m.idx, table))
                 if m.bias is not None:
                     new = g.call_function(operator.add, (new, m.bias))
-            mark_new_node(new, self.name, like=m.out)
-            m.out.replace_all_uses_with(new)
-            g.erase_node(m.out)
-            erase_if_unused(g, list(reversed(m.dead)))
+            replace_node(m.out, new, self.name, list(reversed(m.dead)))
 
 
 register_pass(FuseOneHot())

@@ -23,7 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import arg, hoist_reads, is_op, is_parameter_like, mark_new_node, tensor_info
+from rewriter.ir import (
+    arg,
+    hoist_reads,
+    is_op,
+    is_parameter_like,
+    mark_new_node,
+    tensor_info,
+)
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 

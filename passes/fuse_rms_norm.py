@@ -20,8 +20,16 @@ from dataclasses import dataclass, field
 
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import (arg, erase_if_unused, is_cast, is_noop_cast, is_op, mark_new_node,
-                         single_user, static_number, tensor_info)
+from rewriter.ir import (
+    arg,
+    is_cast,
+    is_noop_cast,
+    is_op,
+    replace_node,
+    single_user,
+    static_number,
+    tensor_info,
+)
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 
@@ -121,10 +129,7 @@ class FuseRmsNorm(Pass):
             m: RmsMatch = site.match
             with g.inserting_before(m.out):
                 new = ctx.backend.emit_rms_norm(g, m.x, m.weight, m.eps, m.dim)
-            mark_new_node(new, self.name, like=m.out)
-            m.out.replace_all_uses_with(new)
-            g.erase_node(m.out)
-            erase_if_unused(g, m.dead)
+            replace_node(m.out, new, self.name, m.dead)
 
 
 def _casts_to_weight(norm_mul: Node) -> bool:

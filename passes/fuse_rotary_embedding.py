@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import arg, erase_if_unused, is_op, mark_new_node, single_user, tensor_info
+from rewriter.ir import arg, is_op, replace_node, single_user, tensor_info
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 _MAX_HEAD_DIM = 896
@@ -124,10 +124,7 @@ class FuseRotaryEmbedding(Pass):
             m: RotaryMatch = site.match
             with g.inserting_before(m.out):
                 new = ctx.backend.emit_rotary(g, m.x, m.cos, m.sin)
-            mark_new_node(new, self.name, like=m.out)
-            m.out.replace_all_uses_with(new)
-            g.erase_node(m.out)
-            erase_if_unused(g, m.dead)
+            replace_node(m.out, new, self.name, m.dead)
 
 
 register_pass(FuseRotaryEmbedding())

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import arg, erase_if_unused, is_op, mark_new_node, op_name, single_user, tensor_info
+from rewriter.ir import arg, is_op, op_name, replace_node, single_user, tensor_info
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 
@@ -101,10 +101,7 @@ class _GatedPass(Pass):
                 packed = m.packed if m.packed is not None else \
                     g.call_function(torch.cat, ([m.halves[0], m.halves[1]], -1))
                 new = self.emit(g, ctx, packed, m)
-            mark_new_node(new, self.name, like=m.out)
-            m.out.replace_all_uses_with(new)
-            g.erase_node(m.out)
-            erase_if_unused(g, list(reversed(m.dead)))
+            replace_node(m.out, new, self.name, list(reversed(m.dead)))
 
     def emit(self, g, ctx: PassContext, packed: Node, m: GatedMatch) -> Node:
         raise NotImplementedError

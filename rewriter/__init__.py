@@ -7,7 +7,13 @@
 from rewriter import amp
 from rewriter.api import optimize
 from rewriter.backends import Backend, get_backend
-from rewriter.errors import CaptureError, PassError, PlanError, RewriterError, VerificationError
+from rewriter.errors import (
+    CaptureError,
+    PassError,
+    PlanError,
+    RewriterError,
+    VerificationError,
+)
 from rewriter.gate import GateSettings
 from rewriter.host import bind_cores
 from rewriter.optimizers import clip_grad_norm_, zero_grad

@@ -12,10 +12,10 @@ import torch.nn as nn
 from rewriter import distributed
 from rewriter.backends import Backend, get_backend
 from rewriter.gate import Clock, GateSettings
-from rewriter.job import Job
+from rewriter.job import Job, model_device, split_inputs
 from rewriter.pass_api import Pass, PassContext, resolve_passes
-from rewriter.report import Report
 from rewriter.pipeline import Outcome, Settings, run_pipeline
+from rewriter.report import Report
 from rewriter.wrapper import OptimizedModel
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -95,7 +95,7 @@ def optimize(
     if front_end not in ("auto", "fx", "dynamo"):
         raise ValueError(f"front_end must be 'auto', 'fx' or 'dynamo', got {front_end!r}")
     chosen = resolve_passes(passes, tuple(exclude))
-    backend = get_backend(device if device is not None else _model_device(model))
+    backend = get_backend(device if device is not None else model_device(model))
     if optimizer is not None:
         _check_optimizer_params(model, optimizer)
     settings = Settings(min_speedup=float(min_speedup), front_end=front_end,
@@ -116,7 +116,7 @@ def optimize(
     result = OptimizedModel(model, pending=run)
     if example_inputs is None:
         return (result, optimizer) if optimizer is not None else result
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     result._optimize_now(args, kwargs)
     if optimizer is not None:
         return result, result._outcome.optimizer
@@ -144,25 +144,6 @@ def _run_on_every_rank(job: Job, passes: list[Pass], settings: Settings) -> Outc
         return Outcome(report, None, [], True, PassContext(job.backend, job.training, job.dtype),
                        job.optimizer)
     return run_pipeline(job, passes, dataclasses.replace(settings, plan=plan, strict_plan=True))
-
-
-def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    if isinstance(example_inputs, dict):
-        if not all(isinstance(k, str) for k in example_inputs):
-            raise TypeError("example_inputs as a dict must map argument names (str) to values")
-        return (), dict(example_inputs)
-    raise TypeError("example_inputs must be a tuple of positional args, a dict of keyword args, "
-                    f"or a tensor; got {type(example_inputs).__name__}")
-
-
-def _model_device(model: nn.Module) -> str:
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device.type
-    return "cpu"
 
 
 def _check_input_devices(model: nn.Module, args: tuple, kwargs: dict) -> None:

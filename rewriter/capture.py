@@ -14,7 +14,7 @@ so the gate measures the *whole* step with and without a rewrite and nothing rec
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -22,8 +22,12 @@ import torch.nn as nn
 from torch.fx import GraphModule
 
 from rewriter.errors import CaptureError
-from rewriter.ir import (annotate_tensor_info, copy_graph_module, fill_missing_info,
-                         functionalize_leaf_modules)
+from rewriter.ir import (
+    annotate_tensor_info,
+    copy_graph_module,
+    fill_missing_info,
+    functionalize_leaf_modules,
+)
 from rewriter.pass_api import Pass, PassContext, Site
 from rewriter.verify import dropout_disabled
 

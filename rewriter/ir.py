@@ -268,6 +268,15 @@ def erase_if_unused(graph: Graph, nodes: Iterable[Node]) -> None:
                 changed = True
 
 
+def replace_node(old: Node, new: Node, pass_name: str, dead: Iterable[Node] = ()) -> None:
+    """Make ``new`` (already inserted) stand for ``old``: users move over, ``old`` and whatever
+    in ``dead`` lost its last user are erased, and ``new`` records the pass that made it."""
+    mark_new_node(new, pass_name, like=old)
+    old.replace_all_uses_with(new)
+    old.graph.erase_node(old)
+    erase_if_unused(new.graph, dead)
+
+
 def copy_graph_module(gm: GraphModule) -> GraphModule:
     """A new GraphModule with a copied graph and the same (shared) parameters and submodules."""
     graph = Graph()

@@ -111,6 +111,28 @@ class Job:
         return result
 
 
+def model_device(model: nn.Module) -> str:
+    """The device type the model's tensors are on ("cpu" for a model without tensors)."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device.type
+    return "cpu"
+
+
+def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    """``example_inputs`` as (args, kwargs): a tuple/list of positional args, a dict of keyword
+    args, or one tensor."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    if isinstance(example_inputs, dict):
+        if not all(isinstance(k, str) for k in example_inputs):
+            raise TypeError("example_inputs as a dict must map argument names (str) to values")
+        return (), dict(example_inputs)
+    raise TypeError("example_inputs must be a tuple of positional args, a dict of keyword args, "
+                    f"or a tensor; got {type(example_inputs).__name__}")
+
+
 def _builtin_loss(output: Any) -> torch.Tensor | None:
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:

@@ -17,7 +17,7 @@ A pass finds sites in one captured graph and rewrites them; it never measures (t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch

@@ -200,7 +200,10 @@ class ProfileResult:
                   f"{100 * r.share:.1f}% | {_cell(format_shapes(r.input_shapes))} |"
                   for i, r in enumerate(self.top(top_k), 1)]
         if advice:
-            from rewriter.advisor import advise, findings_to_markdown  # advisor reads this module
+            from rewriter.advisor import (  # advisor reads this module
+                advise,
+                findings_to_markdown,
+            )
             lines += ["", findings_to_markdown(advise(self))]
         if any(r.name == "ProfilerStep*" for r in self.top(top_k)):
             lines.append("- note: ProfilerStep*'s self time is host time between operators "
@@ -625,17 +628,6 @@ def _write_outputs(result: ProfileResult, out_dir: str, top_k: int) -> None:
     log.info("profile %s written to %s", result.label, out_dir)
 
 
-def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    raise ValueError("example_inputs must be a tuple of positional args, a dict of keyword args "
-                     f"or a tensor; got {type(example_inputs).__name__}")
-
-
 def profile_model(model: torch.nn.Module, example_inputs: Any, *, training: bool,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   optimizer: torch.optim.Optimizer | None = None, steps: int = 2,
@@ -652,15 +644,19 @@ def profile_model(model: torch.nn.Module, example_inputs: Any, *, training: bool
     fixed random cotangent on the outputs. The model runs in its current train/eval mode.
     ``steps`` recorded steps follow ``settings.wait`` + ``settings.warmup`` unrecorded ones.
     """
-    from rewriter.job import Job  # the gate's own step definition
+    from rewriter.job import (  # the gate's own step definition
+        Job,
+        model_device,
+        split_inputs,
+    )
     from rewriter.state import preserved_state
 
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"profile_model expects a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    args, kwargs = _split_inputs(example_inputs)
-    backend = get_backend(device if device is not None else _model_device(model))
+    args, kwargs = split_inputs(example_inputs)
+    backend = get_backend(device if device is not None else model_device(model))
     settings = replace(settings or ProfileSettings(), active=steps)
     original = getattr(model, "original", model)  # an OptimizedModel profiles under its own name
     label = label or f"{type(original).__name__} {'training' if training else 'inference'} step"
@@ -668,12 +664,6 @@ def profile_model(model: torch.nn.Module, example_inputs: Any, *, training: bool
     with preserved_state(model, optimizer, backend.rng_states()):
         return profile_run(job.step(model), backend, settings=settings, out_dir=out_dir,
                            label=label, top_k=top_k)
-
-
-def _model_device(model: torch.nn.Module) -> str:
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device.type
-    return "cpu"
 
 
 def profile_step(run: Callable[[], None], activities: list, top_k: int = 10) -> list[OpRow]:
@@ -870,7 +860,9 @@ def plot_top_ops(before: ProfileResult | Sequence[OpRow],
         plot_top_ops(before, after, "before_after.png", labels=("eager", "optimized"))
     """
     try:
-        from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
+        from matplotlib.figure import (
+            Figure,  # no pyplot: leaves the user's backend alone
+        )
     except ImportError:
         log.info("matplotlib is not installed: chart %s skipped (pip install matplotlib)", path)
         return None

@@ -21,7 +21,6 @@ import torch.nn as nn
 
 from rewriter import amp
 from rewriter.capture import DynamoCapture, FxCapture
-from rewriter.job import Job
 from rewriter.pipeline import Outcome, replay_on_slot
 from rewriter.report import Report
 from rewriter.state import preserved_state

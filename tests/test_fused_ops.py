@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from rewriter.backends import NpuBackend
 from tests.helpers import code, outputs_and_grads, rewrite
 
-
 # --- small models, one pattern each --------------------------------------------------------------
 
 class HfRmsNorm(nn.Module):

@@ -12,7 +12,13 @@ import torch.nn as nn
 import rewriter
 from rewriter import profiling
 from rewriter.advisor import advise
-from rewriter.profiling import OpRow, ProfileResult, ProfileSettings, compare, rows_from_key_averages
+from rewriter.profiling import (
+    OpRow,
+    ProfileResult,
+    ProfileSettings,
+    compare,
+    rows_from_key_averages,
+)
 from tests.controlled import QUICK, ControlledClock
 
 
@@ -191,7 +197,7 @@ def test_profile_step_keeps_its_signature():
 def test_profile_model_refuses_bad_input():
     with pytest.raises(ValueError, match="steps"):
         profiling.profile_model(_Net(), (torch.randn(2, 16),), training=False, steps=0)
-    with pytest.raises(ValueError, match="example_inputs"):
+    with pytest.raises(TypeError, match="example_inputs"):
         profiling.profile_model(_Net(), "x", training=False)
 
 

@@ -1,11 +1,15 @@
-import math
 
 import pytest
 import torch
 
 import rewriter
 from rewriter.backends import CpuBackend, NpuBackend, get_backend
-from rewriter.verify import compare_runs, dropout_disabled, flatten_output, tolerance_for
+from rewriter.verify import (
+    compare_runs,
+    dropout_disabled,
+    flatten_output,
+    tolerance_for,
+)
 from tests.controlled import QUICK, ControlledClock
 from tests.models import HandAttention
 
