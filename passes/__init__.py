@@ -8,21 +8,28 @@ The order matters where one rewrite exposes or hides another: projections are me
 then attention (its softmax must still be there), then norms and activations, then the
 layout and matmul forms.
 """
-from passes import (  # noqa: F401  (import registers, in this order)
-    fuse_qkv_projections,
-    fuse_attention,
-    fuse_rms_norm,
-    fuse_layer_norm,
-    fuse_gelu,
-    fuse_swiglu,
-    fuse_rotary_embedding,
-    fuse_one_hot,
-    fuse_linear,
-    fuse_confusion_transpose,
-    fold_batch_norm,
-    cast_to_half,
-)
+import importlib
 
-__all__ = ["fuse_qkv_projections", "fuse_attention", "fuse_rms_norm", "fuse_layer_norm",
-           "fuse_gelu", "fuse_swiglu", "fuse_rotary_embedding", "fuse_one_hot", "fuse_linear",
-           "fuse_confusion_transpose", "fold_batch_norm", "cast_to_half"]
+# The order optimize() tries the passes in (each module registers its pass when imported).
+PASS_MODULES = (
+    "fuse_qkv_projections",
+    "fuse_attention",
+    "fuse_rms_norm",
+    "fuse_layer_norm",
+    "fuse_gelu",
+    "fuse_swiglu",
+    "fuse_rotary_embedding",
+    "fuse_one_hot",
+    "fuse_linear",
+    "fuse_confusion_transpose",
+    "fold_batch_norm",
+    "narrow_int64",
+    "make_contiguous",
+    "pad_to_alignment",
+    "to_channels_last",
+    "cast_to_half",
+)
+for _module in PASS_MODULES:
+    importlib.import_module(f"passes.{_module}")
+
+__all__ = list(PASS_MODULES)

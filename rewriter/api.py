@@ -29,7 +29,7 @@ def optimize(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     dtype: torch.dtype | None = None,
     passes: Sequence[str | Pass] | None = None,
-    exclude: Sequence[str] = (),
+    exclude: str | Sequence[str] = (),
     device: str | torch.device | Backend | None = None,
     min_speedup: float = 1.03,
     plan: str | dict | None = None,
@@ -94,8 +94,15 @@ def optimize(
         raise ValueError(f"min_speedup must be a number >= 1.0, got {min_speedup!r}")
     if front_end not in ("auto", "fx", "dynamo"):
         raise ValueError(f"front_end must be 'auto', 'fx' or 'dynamo', got {front_end!r}")
-    chosen = resolve_passes(passes, tuple(exclude))
+    if gate is not None and not isinstance(gate, GateSettings):
+        raise TypeError(f"gate must be a rewriter.GateSettings, got {type(gate).__name__}")
+    if clock is not None and not callable(getattr(clock, "time", None)):
+        raise TypeError(f"clock must have a time(step) method, got {type(clock).__name__}")
+    chosen = resolve_passes(passes, exclude)
     backend = get_backend(device if device is not None else model_device(model))
+    if not isinstance(device, Backend) and not backend.is_available():
+        raise ValueError(f"device {backend.name!r} is not available on this machine"
+                         + (" (torch_npu cannot be imported)" if backend.name == "npu" else ""))
     if optimizer is not None:
         _check_optimizer_params(model, optimizer)
     settings = Settings(min_speedup=float(min_speedup), front_end=front_end,

@@ -14,6 +14,7 @@ so the gate measures the *whole* step with and without a rewrite and nothing rec
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -115,10 +116,20 @@ class FxCapture(Capture):
         with torch.no_grad():
             annotate_tensor_info(gm, args, kwargs)
         self.training = model.training
+        self.output_type: type | None = None
         self.slots.append(GraphSlot(gm, self.switch, "graph_0"))
 
+    def restore_output_type(self, output_type: type | None) -> None:
+        """symbolic_trace returns a dict-subclass output (transformers' ModelOutput) as a plain
+        dict: rebuild the model's own type so ``out.logits`` keeps working."""
+        if output_type is not None and output_type is not dict and issubclass(output_type, dict):
+            self.output_type = output_type
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.slots[0](*args, **kwargs)
+        out = self.slots[0](*args, **kwargs)
+        if self.output_type is not None and type(out) is dict:
+            return self.output_type(**out)
+        return out
 
 
 class DynamoCapture(Capture):
@@ -171,6 +182,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, front_end: str = "auto"
     if hooked and front_end == "auto":
         return DynamoCapture(model, f"modules with hooks ({', '.join(hooked[:3])}); "
                                     "symbolic_trace would drop them")
+    if hooked:  # front_end="fx" asked for explicitly
+        warnings.warn(f"rewriter: front_end='fx' drops the hooks on {', '.join(hooked[:3])}: "
+                      "symbolic_trace inlines those modules, so their hooks will not run in the "
+                      "optimized model (front_end='auto' or 'dynamo' keeps them)", stacklevel=4)
     try:
         return FxCapture(model, args, kwargs, "symbolic_trace captured the whole model")
     except Exception as e:  # symbolic_trace fails in many ways on real models

@@ -31,6 +31,7 @@ class Job:
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     dtype: torch.dtype | None = None
     _cotangents: dict = field(default_factory=dict)
+    output_type: type | None = None  # of the model's own output, seen in the reference run
 
     @property
     def mode(self) -> str:
@@ -102,6 +103,8 @@ class Job:
         grad_mode = torch.enable_grad() if self.training else torch.no_grad()
         with ctx, grad_mode:
             out = run(*self.args, **self.kwargs)
+            if run is self.model:
+                self.output_type = type(out)
             result = {f"output {path}": t.detach().clone() for path, t in flatten_output(out)}
             if self.training:
                 self.loss(out).backward()

@@ -90,9 +90,11 @@ def registered_passes() -> dict[str, Pass]:
     return dict(_REGISTRY)
 
 
-def resolve_passes(selection: Any, exclude: tuple[str, ...] | list[str] = ()) -> list[Pass]:
+def resolve_passes(selection: Any, exclude: str | tuple[str, ...] | list[str] = ()) -> list[Pass]:
     """Turn ``optimize(passes=..., exclude=...)`` into pass objects, naming any unknown name."""
     known = registered_passes()
+    if isinstance(exclude, str):
+        exclude = (exclude,)
     for name in exclude:
         if name not in known:
             raise ValueError(f"exclude names unknown pass {name!r}; known passes: {sorted(known)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from rewriter import amp, optimizers
 from rewriter import plan as plans
 from rewriter.advisor import advise
-from rewriter.capture import Capture, DynamoCapture, GraphSlot, capture
+from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot, capture
 from rewriter.errors import CaptureError, PlanError
 from rewriter.gate import Clock, GateSettings, Step, WallClock, decide, measure
 from rewriter.ir import structure_signature
@@ -164,6 +165,8 @@ def _checked_capture(job: Job, front_end: str, reference: dict, report: Report) 
     """Capture, and check the captured model computes what the model does (else fall back)."""
     log.info("rewriter: capturing %s (%s step)", type(job.model).__name__, job.mode)
     cap = capture(job.model, job.args, job.kwargs, front_end)
+    if isinstance(cap, FxCapture):
+        cap.restore_output_type(job.output_type)
     problem = _capture_mismatch(job, cap, reference)
     if problem and cap.front_end == "fx" and front_end == "auto":
         cap = DynamoCapture(job.model, f"symbolic_trace graph differs from the model ({problem})")
@@ -173,10 +176,26 @@ def _checked_capture(job: Job, front_end: str, reference: dict, report: Report) 
     if not cap.slots:
         raise CaptureError("Dynamo handed over no graph (torch._dynamo's recompile limit reached, "
                            "or nothing in forward is capturable)")
+    if isinstance(cap, DynamoCapture):
+        _require_stable_graphs(job, cap)
     report.front_end, report.front_end_reason = cap.front_end, cap.reason
     report.left_as_modules = sorted(set(cap.left_as_modules))
     log.info("rewriter: front-end %s (%s), %d graph(s)", cap.front_end, cap.reason, len(cap.slots))
     return cap
+
+
+def _require_stable_graphs(job: Job, cap: DynamoCapture) -> None:
+    """A second call on the same inputs must reuse the graphs. If Dynamo compiles again, its
+    guards read Python state that changes per call (a hook counting calls, a step counter
+    attribute): past its recompile limit it runs the model eagerly, and every rewrite would be
+    kept on paper but never run."""
+    before = len(cap.slots)
+    with switched(cap.switch, deterministic=True):
+        job.numerics(cap, deterministic=contextlib.nullcontext())
+    if len(cap.slots) > before:
+        raise CaptureError("Dynamo recompiles the model at every call (its guards read Python "
+                           "state that changes per call, such as a hook that counts calls or a "
+                           "step counter attribute), so a rewrite could not stay in effect")
 
 
 def _capture_mismatch(job: Job, cap: Capture, reference: dict) -> str:
@@ -390,6 +409,10 @@ def _plan_to_replay(source: Any, fingerprint: dict, report: Report, strict: bool
     if source is None:
         return None
     plan = plans.load_plan(source)
+    unknown = [n for n in plan["kept_passes"] if n not in registered_passes()]
+    if unknown:
+        where = "the plan dict" if isinstance(source, dict) else f"plan file {os.fspath(source)}"
+        raise PlanError(f"{where} keeps passes this installation does not have: {unknown}")
     expected = dict(plan["fingerprint"])
     actual = dict(fingerprint)
     # Only the versions of the passes the plan keeps matter.

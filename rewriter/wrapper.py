@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -27,7 +28,7 @@ from rewriter.state import preserved_state
 
 log = logging.getLogger(__name__)
 
-_OWN = ("_model", "_outcome", "_pending", "_fx_by_mode", "report")
+_OWN = ("_model", "_outcome", "_pending", "_fx_by_mode", "report", "_hooks_seen")
 
 
 class OptimizedModel(nn.Module):
@@ -43,6 +44,7 @@ class OptimizedModel(nn.Module):
         d["_pending"] = pending
         d["_outcome"] = None
         d["_fx_by_mode"] = {}
+        d["_hooks_seen"] = None  # (modules, their hooks) when the rewrites were decided
         d["report"] = None
         d["training"] = model.training
 
@@ -88,6 +90,8 @@ class OptimizedModel(nn.Module):
     def _set_outcome(self, outcome: Outcome) -> None:
         self.__dict__["_outcome"] = outcome
         self.__dict__["report"] = outcome.report
+        modules = list(self.__dict__["_model"].modules())
+        self.__dict__["_hooks_seen"] = (modules, _hooks_of(modules))
         if isinstance(outcome.capture, FxCapture):
             self.__dict__["_fx_by_mode"][outcome.capture.training] = outcome.capture
 
@@ -96,9 +100,26 @@ class OptimizedModel(nn.Module):
         model = self.__dict__["_model"]
         if outcome is None or outcome.use_original or outcome.capture is None:
             return model
+        if self._hooks_changed():
+            return model
         if isinstance(outcome.capture, DynamoCapture):
             return outcome.capture  # Dynamo recompiles on a mode change; kept passes replay
         return self._fx_for_mode(model.training)
+
+    def _hooks_changed(self) -> bool:
+        """Hooks added to (or removed from) submodules after optimize(): a captured graph would
+        silently skip them (fx and Dynamo alike), so from then on the original model runs."""
+        modules, hooks = self.__dict__["_hooks_seen"]
+        now = _hooks_of(modules)
+        if now == hooks:
+            return False
+        outcome: Outcome = self.__dict__["_outcome"]
+        outcome.use_original = True
+        reason = ("module hooks changed after optimize(); the rewritten graphs cannot run them, "
+                  "so the original model runs (call optimize() again to rewrite with the hooks)")
+        outcome.report.notes.append(reason)
+        warnings.warn(f"rewriter: {reason}", stacklevel=3)
+        return True
 
     def _fx_for_mode(self, training: bool) -> Callable[..., Any]:
         by_mode = self.__dict__["_fx_by_mode"]
@@ -120,6 +141,12 @@ class OptimizedModel(nn.Module):
         return f"OptimizedModel({self.extra_repr()})"
 
 
+def _hooks_of(modules: list[nn.Module]) -> tuple:
+    """Which hooks each module has, as comparable handles (cheap enough to check per call)."""
+    return tuple((tuple(m._forward_pre_hooks), tuple(m._forward_hooks), tuple(m._backward_hooks),
+                  tuple(getattr(m, "_backward_pre_hooks", ()))) for m in modules)
+
+
 class _LazyFxRetrace:
     def __init__(self, owner: OptimizedModel, training: bool) -> None:
         self.owner, self.training = owner, training
@@ -130,6 +157,7 @@ class _LazyFxRetrace:
         try:
             with preserved_state(model):
                 cap = FxCapture(model, args, kwargs, "retraced for a train/eval switch")
+            cap.output_type = outcome.capture.output_type
             ctx = dataclasses.replace(outcome.context, training=self.training)
             replay_on_slot(cap.slots[0], outcome.kept, ctx)
             runner: Callable[..., Any] = cap
