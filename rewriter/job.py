@@ -32,6 +32,8 @@ class Job:
     dtype: torch.dtype | None = None
     _cotangents: dict = field(default_factory=dict)
     output_type: type | None = None  # of the model's own output, seen in the reference run
+    # The numerics run under torch.autocast(dtype): the yardstick for reduced-precision rewrites.
+    autocast_reference: dict | None = None
 
     @property
     def mode(self) -> str:
@@ -90,6 +92,20 @@ class Job:
                 opt.step()
             self.zero_grads()
         return train
+
+    def autocast_numerics(self) -> dict[str, torch.Tensor] | None:
+        """The numerics of the model under ``torch.autocast(dtype)``, or None where the device
+        has no autocast for that dtype."""
+        if self.dtype is None or self.dtype not in self.backend.amp_dtypes:
+            return None
+
+        def autocast_model(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(self.backend.device_type, dtype=self.dtype):
+                return self.model(*args, **kwargs)
+        try:
+            return self.numerics(autocast_model)
+        except Exception:  # an op without an autocast kernel: no yardstick, the bound alone
+            return None
 
     def numerics(self, run: Callable[..., Any], deterministic: Any = None) -> dict[str, torch.Tensor]:
         """Outputs (and, training, parameter gradients) of one seeded run, by name.

@@ -72,6 +72,8 @@ def run_pipeline(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
     with preserved_state(job.model, job.optimizer, job.backend.rng_states()) as snapshot:
         reference = _reference_numerics(job)
         snapshot.restore()
+        job.autocast_reference = job.autocast_numerics()
+        snapshot.restore()
         try:
             cap = _checked_capture(job, settings.front_end, reference, report)
         except CaptureError as e:
@@ -214,7 +216,7 @@ def _verify_candidate(job: Job, cap: Capture, reference: dict) -> tuple[bool, st
             got = job.numerics(cap, deterministic=contextlib.nullcontext())
     except Exception as e:
         return False, f"candidate raised when run: {type(e).__name__}: {e}", None
-    c = compare_runs(got, reference, tolerance_for(job.dtype))
+    c = compare_runs(got, reference, tolerance_for(job.dtype), yardstick=job.autocast_reference)
     return c.ok, c.describe(), c.max_abs_error
 
 

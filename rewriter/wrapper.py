@@ -103,6 +103,11 @@ class OptimizedModel(nn.Module):
         if self._hooks_changed():
             return model
         if isinstance(outcome.capture, DynamoCapture):
+            if torch.compiler.is_compiling():
+                # torch.compile(fast): Dynamo cannot trace into our own torch.compile'd model
+                # (an internal assertion); it compiles the original code instead, without the
+                # rewrites. An fx capture is a plain GraphModule and compiles with them.
+                return model
             return outcome.capture  # Dynamo recompiles on a mode change; kept passes replay
         return self._fx_for_mode(model.training)
 

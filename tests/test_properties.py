@@ -385,3 +385,116 @@ def test_fuse_one_hot_keeps_outputs_and_gradients(shape, n, d, form, cast, dtype
     model = OneHotProduct(n, d, form, cast, dtype, gen)
     idx = torch.randint(0, n, shape, generator=gen)
     check_pass_keeps_numerics(model, {"idx": idx}, "fuse_one_hot", dtype, "embedding")
+
+
+# --- pad_to_alignment ----------------------------------------------------------------------
+
+def _near_multiple_of_16(draw) -> int:
+    """A size at most 3 below a multiple of 16: padding it adds at most 25%, so it is padded."""
+    return 16 * draw(st.integers(1, 4)) - draw(st.integers(0, 3))
+
+
+class PaddedProduct(nn.Module):
+    def __init__(self, form: str, k: int, n: int, bias: bool, dtype, gen) -> None:
+        super().__init__()
+        self.form = form
+        self.w = nn.Parameter(randn((n, k) if form == "linear" else (k, n), dtype, gen))
+        self.b = nn.Parameter(randn((n,), dtype, gen)) if bias and form == "linear" else None
+
+    def forward(self, x):
+        if self.form == "linear":
+            return F.linear(x, self.w, self.b)
+        return torch.matmul(x, self.w)
+
+
+@SETTINGS
+@given(data=st.data(), form=st.sampled_from(["linear", "matmul"]),
+       lead=st.lists(st.integers(1, 5), min_size=1, max_size=2), bias=st.booleans(),
+       dtype=WITH_BF16, seed=seeds)
+def test_pad_to_alignment_keeps_outputs_and_gradients(data, form, lead, bias, dtype, seed):
+    k, n = _near_multiple_of_16(data.draw), _near_multiple_of_16(data.draw)
+    hypothesis.assume(k % 16 or n % 16)  # something to pad
+    gen = torch.Generator().manual_seed(seed)
+    model = PaddedProduct(form, k, n, bias, dtype, gen)
+    check_pass_keeps_numerics(model, {"x": randn((*lead, k), dtype, gen)}, "pad_to_alignment",
+                              dtype, "pad")
+
+
+# --- to_channels_last ----------------------------------------------------------------------
+
+class Conv(nn.Module):
+    def __init__(self, c_in: int, c_out: int, kernel: int, stride: int, padding: int, groups: int,
+                 bias: bool, dtype) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c_in * groups, c_out * groups, kernel, stride, padding,
+                              groups=groups, bias=bias, dtype=dtype)
+
+    def forward(self, x):
+        return F.relu(self.conv(x))
+
+
+@SETTINGS
+@given(batch=st.integers(1, 3), c_in=st.integers(1, 4), c_out=st.integers(1, 4),
+       groups=st.sampled_from([1, 2]), kernel=st.sampled_from([1, 3]), stride=st.sampled_from([1, 2]),
+       padding=st.sampled_from([0, 1]), hw=st.integers(3, 9), bias=st.booleans(), dtype=FULL,
+       seed=seeds)
+def test_to_channels_last_keeps_outputs_and_gradients(batch, c_in, c_out, groups, kernel, stride,
+                                                      padding, hw, bias, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = Conv(c_in, c_out, kernel, stride, padding, groups, bias, dtype)
+    x = randn((batch, c_in * groups, hw, hw + 1), dtype, gen)
+    check_pass_keeps_numerics(model, {"x": x}, "to_channels_last", dtype, "channels_last")
+
+
+# --- make_contiguous -----------------------------------------------------------------------
+
+class StridedGemms(nn.Module):
+    def __init__(self, view: str, d: int, widths: list[int], dtype, gen) -> None:
+        super().__init__()
+        self.view = view
+        self.w = nn.ParameterList(nn.Parameter(randn((d, w), dtype, gen)) for w in widths)
+
+    def forward(self, x):  # x (B, d, L): the view is (B, L, d), read by every GEMM
+        v = x.transpose(1, 2) if self.view == "transpose" else x.permute(0, 2, 1)
+        return tuple(v @ w for w in self.w) + (v * 2,)
+
+
+@SETTINGS
+@given(view=st.sampled_from(["transpose", "permute"]), batch=st.integers(1, 3), d=st.integers(2, 12),
+       length=st.integers(2, 9), widths=st.lists(st.integers(1, 8), min_size=1, max_size=3),
+       dtype=WITH_BF16, seed=seeds)
+def test_make_contiguous_keeps_outputs_and_gradients(view, batch, d, length, widths, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    model = StridedGemms(view, d, widths, dtype, gen)
+    check_pass_keeps_numerics(model, {"x": randn((batch, d, length), dtype, gen)},
+                              "make_contiguous", dtype, "contiguous")
+
+
+# --- narrow_int64 --------------------------------------------------------------------------
+
+class PositionArithmetic(nn.Module):
+    """Position ids from ``arange`` through int arithmetic into an embedding and a mask."""
+
+    def __init__(self, vocab: int, offset: int, factor: int, divisor: int, dtype, gen) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(randn((vocab, 4), dtype, gen))
+        self.vocab, self.offset, self.factor, self.divisor = vocab, offset, factor, divisor
+
+    def forward(self, x):
+        pos = torch.arange(x.size(1)) * self.factor + self.offset
+        ids = (pos // self.divisor) % self.vocab
+        keep = pos[None, :] <= pos[:, None]
+        return F.embedding(ids, self.weight) * x.unsqueeze(-1), keep, ids
+
+
+@SETTINGS
+@given(batch=st.integers(1, 3), length=st.integers(1, 12), vocab=st.integers(1, 50),
+       offset=st.integers(-5, 5), factor=st.integers(1, 1000), divisor=st.integers(1, 7),
+       dtype=FULL, seed=seeds)
+def test_narrow_int64_keeps_outputs_and_gradients(batch, length, vocab, offset, factor, divisor,
+                                                  dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    model = PositionArithmetic(vocab, offset, factor, divisor, dtype, gen)
+    check_pass_keeps_numerics(model, {"x": randn((batch, length), dtype, gen)}, "narrow_int64",
+                              dtype, "int32")

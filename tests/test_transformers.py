@@ -162,3 +162,24 @@ def test_transformers_causal_masks_and_grouped_kv_are_recognised():
     with_padding = _optimize(_gpt2().eval(), padded)
     d = next(d for d in with_padding.report.decisions if d.pass_name == "fuse_attention")
     assert d.sites and not any("causal" in s for s in d.sites)  # padding: a real mask stays
+
+
+def test_torch_compile_of_a_dynamo_captured_model_runs_the_model():
+    """torch.compile(fast) on a Dynamo capture: Dynamo cannot trace into our own compiled model
+    (GPT-2 hit an internal assertion), so it compiles the original code, and the result is
+    still the model's."""
+    torch.manual_seed(0)
+    model = _gpt2().train()
+    inputs = _inputs(True)
+    fast = _optimize(model, inputs)
+    assert fast.report.front_end == "dynamo" and "fuse_attention" in fast.report.kept_passes
+    compiled = torch.compile(fast, backend="eager")
+    got = compiled(**inputs).loss
+    got.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    want = model(**inputs).loss
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)

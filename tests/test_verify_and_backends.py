@@ -47,6 +47,22 @@ def test_half_precision_tolerances_are_looser():
     assert tolerance_for(torch.bfloat16).rtol > tolerance_for(torch.float16).rtol > FP32.rtol
 
 
+def test_reduced_precision_is_judged_against_autocasts_own_error():
+    """A cancelling sum (a norm weight's gradient) off by more than the bf16 bound passes when
+    torch.autocast is off by as much; twice beyond autocast's error, or a new NaN, fails."""
+    bf16 = tolerance_for(torch.bfloat16)
+    want = {"grad w": torch.tensor([1.0, 1e-3, -1.0])}
+    autocast = {"grad w": torch.tensor([1.0, 1e-3 + 0.03, -1.0])}
+    close = {"grad w": torch.tensor([1.0, 1e-3 + 0.05, -1.0])}
+    far = {"grad w": torch.tensor([1.0, 1e-3 + 0.07, -1.0])}
+    assert not compare_runs(close, want, bf16).ok  # beyond the elementwise bound on its own
+    assert compare_runs(close, want, bf16, yardstick=autocast).ok
+    c = compare_runs(far, want, bf16, yardstick=autocast)
+    assert not c.ok and "autocast's own max error is 3.000e-02" in c.problem
+    nan = {"grad w": torch.tensor([1.0, float("nan"), -1.0])}
+    assert not compare_runs(nan, want, bf16, yardstick=autocast).ok
+
+
 def test_dropout_disabled_makes_dropout_identity():
     x = torch.randn(100)
     with dropout_disabled():
