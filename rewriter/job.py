@@ -8,16 +8,21 @@ fixed random cotangent ``c`` (the same for every variant, so gradients compare).
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 
 from rewriter.backends import Backend
 from rewriter.verify import dropout_disabled, flatten_output
 
 VERIFY_SEED = 20260529  # any fixed seed: the reference and the candidate must draw alike
+# A float64 copy (8 bytes a parameter) is made for models up to this size (1 GiB of float64).
+MAX_FLOAT64_COPY = 2**27
 
 
 @dataclass
@@ -32,8 +37,6 @@ class Job:
     dtype: torch.dtype | None = None
     _cotangents: dict = field(default_factory=dict)
     output_type: type | None = None  # of the model's own output, seen in the reference run
-    # The numerics run under torch.autocast(dtype): the yardstick for reduced-precision rewrites.
-    autocast_reference: dict | None = None
 
     @property
     def mode(self) -> str:
@@ -68,11 +71,11 @@ class Job:
         return torch.stack(terms).sum()
 
     def _cotangent(self, path: str, t: torch.Tensor) -> torch.Tensor:
-        key = (path, tuple(t.shape), t.dtype)
+        key = (path, tuple(t.shape))  # not by dtype: a float64 or half run gets the same one
         if key not in self._cotangents:
             gen = torch.Generator().manual_seed(len(self._cotangents))
-            self._cotangents[key] = torch.randn(t.shape, generator=gen).to(t.device, t.dtype)
-        return self._cotangents[key]
+            self._cotangents[key] = torch.randn(t.shape, generator=gen)
+        return self._cotangents[key].to(t.device, t.dtype)
 
     # --- steps -----------------------------------------------------------------------------
     def step(self, run: Callable[..., Any], optimizer: Any = None) -> Callable[[], None]:
@@ -105,6 +108,20 @@ class Job:
         try:
             return self.numerics(autocast_model)
         except Exception:  # an op without an autocast kernel: no yardstick, the bound alone
+            return None
+
+    def float64_numerics(self) -> dict[str, torch.Tensor] | None:
+        """The numerics of a float64 copy of the model (the user's model is not touched), or
+        None for a model too large to copy or one that does not run in float64."""
+        if sum(p.numel() for p in self.model.parameters()) > MAX_FLOAT64_COPY:
+            return None
+        try:
+            model64 = copy.deepcopy(self.model).to(torch.float64)
+            args, kwargs = tree_map(_to_float64, (self.args, self.kwargs))
+            job64 = dataclasses.replace(self, model=model64, args=args, kwargs=kwargs,
+                                        optimizer=None, _cotangents=self._cotangents)
+            return job64.numerics(model64)
+        except Exception:  # user code that insists on fp32 (a loss with fp32 targets, ...)
             return None
 
     def numerics(self, run: Callable[..., Any], deterministic: Any = None) -> dict[str, torch.Tensor]:
@@ -170,3 +187,7 @@ def switched(switch: Any, **flags: bool):
     finally:
         for k, v in old.items():
             setattr(switch, k, v)
+
+
+def _to_float64(x: Any) -> Any:
+    return x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x

@@ -29,7 +29,14 @@ from rewriter.pass_api import Pass, PassContext, registered_passes
 from rewriter.profiling import ProfileSettings, compare, profile_run
 from rewriter.report import Decision, Report
 from rewriter.state import preserved_state
-from rewriter.verify import Tolerance, compare_runs, tolerance_for
+from rewriter.verify import (
+    AUTOCAST_FACTOR,
+    FLOAT64_FACTOR,
+    Tolerance,
+    Yardstick,
+    compare_runs,
+    tolerance_for,
+)
 
 log = logging.getLogger("rewriter.progress")
 
@@ -70,10 +77,7 @@ def run_pipeline(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
     ctx = PassContext(job.backend, job.training, job.dtype)
     kept: list[Pass] = []
     with preserved_state(job.model, job.optimizer, job.backend.rng_states()) as snapshot:
-        reference = _reference_numerics(job)
-        snapshot.restore()
-        job.autocast_reference = job.autocast_numerics()
-        snapshot.restore()
+        reference = Reference(job, snapshot)
         try:
             cap = _checked_capture(job, settings.front_end, reference, report)
         except CaptureError as e:
@@ -140,7 +144,7 @@ def _loss_scaling(job: Job, kept: list[Pass], optimizer: torch.optim.Optimizer |
     return scaler
 
 
-def _try_passes(passes: list[Pass], cap: Capture, job: Job, ctx: PassContext, reference: dict,
+def _try_passes(passes: list[Pass], cap: Capture, job: Job, ctx: PassContext, reference: Reference,
                 clock: Clock, settings: Settings, report: Report, snapshot: Any) -> list[Pass]:
     """The greedy loop: each pass is measured against the rewrites kept before it."""
     kept: list[Pass] = []
@@ -155,15 +159,36 @@ def _try_passes(passes: list[Pass], cap: Capture, job: Job, ctx: PassContext, re
     return kept
 
 
-def _reference_numerics(job: Job) -> dict[str, torch.Tensor]:
-    try:
-        return job.numerics(job.model)
-    except Exception as e:
-        raise ValueError(f"the model cannot run on the example inputs "
-                         f"({type(e).__name__}: {e})") from e
+class Reference:
+    """The original model's numerics, and a yardstick run computed when first needed."""
+
+    def __init__(self, job: Job, snapshot: Any) -> None:
+        try:
+            self.values = job.numerics(job.model)
+        except Exception as e:
+            raise ValueError(f"the model cannot run on the example inputs "
+                             f"({type(e).__name__}: {e})") from e
+        snapshot.restore()
+        self._job, self._snapshot = job, snapshot
+        self._yardstick: Yardstick | None = None
+        self._tried = False
+
+    def yardstick(self) -> Yardstick | None:
+        """float64 for fp32 verification, torch.autocast for ``dtype=`` (see rewriter.verify);
+        None where that run is not possible."""
+        if not self._tried:
+            self._tried = True
+            if self._job.dtype is None:
+                values, label, factor = self._job.float64_numerics(), "float64", FLOAT64_FACTOR
+            else:
+                values, label, factor = self._job.autocast_numerics(), "torch.autocast", AUTOCAST_FACTOR
+            self._snapshot.restore()
+            if values is not None:
+                self._yardstick = Yardstick(label, values, factor)
+        return self._yardstick
 
 
-def _checked_capture(job: Job, front_end: str, reference: dict, report: Report) -> Capture:
+def _checked_capture(job: Job, front_end: str, reference: Reference, report: Report) -> Capture:
     """Capture, and check the captured model computes what the model does (else fall back)."""
     log.info("rewriter: capturing %s (%s step)", type(job.model).__name__, job.mode)
     cap = capture(job.model, job.args, job.kwargs, front_end)
@@ -200,27 +225,30 @@ def _require_stable_graphs(job: Job, cap: DynamoCapture) -> None:
                            "step counter attribute), so a rewrite could not stay in effect")
 
 
-def _capture_mismatch(job: Job, cap: Capture, reference: dict) -> str:
+def _capture_mismatch(job: Job, cap: Capture, reference: Reference) -> str:
     try:
         with switched(cap.switch, deterministic=True):
             got = job.numerics(cap, deterministic=contextlib.nullcontext())
     except Exception as e:
         return f"{type(e).__name__}: {e}"
-    c = compare_runs(got, reference, tolerance_for(torch.float32))
+    c = compare_runs(got, reference.values, tolerance_for(torch.float32))
     return "" if c.ok else c.problem
 
 
-def _verify_candidate(job: Job, cap: Capture, reference: dict) -> tuple[bool, str, float | None]:
+def _verify_candidate(job: Job, cap: Capture, reference: Reference) -> tuple[bool, str, float | None]:
     try:
         with switched(cap.switch, use_candidate=True, deterministic=True):
             got = job.numerics(cap, deterministic=contextlib.nullcontext())
     except Exception as e:
         return False, f"candidate raised when run: {type(e).__name__}: {e}", None
-    c = compare_runs(got, reference, tolerance_for(job.dtype), yardstick=job.autocast_reference)
+    tol = tolerance_for(job.dtype)
+    c = compare_runs(got, reference.values, tol)
+    if not c.ok:
+        c = compare_runs(got, reference.values, tol, yardstick=reference.yardstick())
     return c.ok, c.describe(), c.max_abs_error
 
 
-def _try_pass(p: Pass, cap: Capture, job: Job, ctx: PassContext, reference: dict,
+def _try_pass(p: Pass, cap: Capture, job: Job, ctx: PassContext, reference: Reference,
               kept: list[Pass], clock: Clock, settings: Settings) -> Decision:
     why_not = p.applies_to(ctx)
     if why_not:
@@ -432,7 +460,7 @@ def _plan_to_replay(source: Any, fingerprint: dict, report: Report, strict: bool
     return plan
 
 
-def _replay(plan: dict, cap: Capture, job: Job, ctx: PassContext, reference: dict,
+def _replay(plan: dict, cap: Capture, job: Job, ctx: PassContext, reference: Reference,
             report: Report) -> list[Pass]:
     known = registered_passes()
     unknown = [n for n in plan["kept_passes"] if n not in known]

@@ -5,6 +5,7 @@ import torch
 import rewriter
 from rewriter.backends import CpuBackend, NpuBackend, get_backend
 from rewriter.verify import (
+    Yardstick,
     compare_runs,
     dropout_disabled,
     flatten_output,
@@ -52,15 +53,59 @@ def test_reduced_precision_is_judged_against_autocasts_own_error():
     torch.autocast is off by as much; twice beyond autocast's error, or a new NaN, fails."""
     bf16 = tolerance_for(torch.bfloat16)
     want = {"grad w": torch.tensor([1.0, 1e-3, -1.0])}
-    autocast = {"grad w": torch.tensor([1.0, 1e-3 + 0.03, -1.0])}
+    autocast = Yardstick("torch.autocast", {"grad w": torch.tensor([1.0, 1e-3 + 0.03, -1.0])}, 2.0)
     close = {"grad w": torch.tensor([1.0, 1e-3 + 0.05, -1.0])}
     far = {"grad w": torch.tensor([1.0, 1e-3 + 0.07, -1.0])}
     assert not compare_runs(close, want, bf16).ok  # beyond the elementwise bound on its own
     assert compare_runs(close, want, bf16, yardstick=autocast).ok
     c = compare_runs(far, want, bf16, yardstick=autocast)
-    assert not c.ok and "autocast's own max error is 3.000e-02" in c.problem
+    assert not c.ok and "the torch.autocast run deviates 3.000e-02" in c.problem
     nan = {"grad w": torch.tensor([1.0, float("nan"), -1.0])}
     assert not compare_runs(nan, want, bf16, yardstick=autocast).ok
+
+
+class CancellingSum(torch.nn.Module):
+    def forward(self, x):
+        return torch.sum(x, -1)
+
+
+class ReorderSum(rewriter.Pass):
+    """Sums in reverse order: an exact rewrite that rounds differently (or ``shift`` off)."""
+
+    contract = "exact"
+
+    def __init__(self, name, shift=0.0):
+        self.name, self.shift = name, shift
+
+    def find(self, gm, ctx):
+        return [rewriter.Site(n, n.name) for n in gm.graph.nodes if n.target is torch.sum]
+
+    def apply(self, gm, sites, ctx):
+        for site in sites:
+            x = site.anchor.args[0]
+            with gm.graph.inserting_before(site.anchor):
+                flipped = gm.graph.call_function(torch.flip, (x, (-1,)))
+            site.anchor.args = (flipped, *site.anchor.args[1:])
+            if self.shift:
+                with gm.graph.inserting_after(site.anchor):
+                    shifted = gm.graph.call_function(torch.add, (site.anchor, self.shift))
+                site.anchor.replace_all_uses_with(shifted)
+                shifted.args = (site.anchor, self.shift)
+
+
+def test_fp32_rounding_beyond_the_bound_is_judged_against_the_float64_run():
+    """Rows of +-1e4 that cancel: summed in another order, fp32 differs by ~1e-2 from the
+    original, beyond the elementwise bound, but no more than the original differs from the
+    exact (float64) sum: kept. Off by 0.1 on top: rejected, the float64 run named."""
+    torch.manual_seed(0)
+    big = torch.randn(64, 1) * 1e4
+    x = torch.cat([big, torch.randn(64, 30), -big, torch.randn(64, 30)], 1)
+    fast = rewriter.optimize(CancellingSum(), (x,), passes=[ReorderSum("reorder"), ReorderSum("off", 0.1)],
+                             clock=ControlledClock({"reorder": 0.5, "off": 0.5}), gate=QUICK,
+                             progress=False, profile=False)
+    reorder, off = fast.report.decisions[:2]
+    assert reorder.kept, reorder.reason
+    assert off.status == "failed verification" and "the float64 run deviates" in off.reason
 
 
 def test_dropout_disabled_makes_dropout_identity():
