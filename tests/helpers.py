@@ -1,6 +1,9 @@
 """Apply one pass to a captured model, and compare it with the original."""
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 
 from rewriter.backends import Backend, CpuBackend
@@ -47,3 +50,38 @@ def outputs_and_grads(fn, args, params, kwargs=None):
     for p in params:
         p.grad = None
     return [t.detach() for t in flat], grads
+
+
+def state_snapshot(model, opt=None):
+    """Everything measuring could change, copied: tensors, grads, flags, optimizer, RNGs, hooks."""
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "training": [m.training for m in model.modules()],
+        "hooks": [(dict(m._forward_hooks), dict(m._forward_pre_hooks)) for m in model.modules()],
+        # torch.compile marks the module it wraps with ``_is_torch_compile`` (torch's own doing).
+        "attributes": [sorted(k for k in vars(m) if k != "_is_torch_compile") for m in model.modules()],
+        "opt": None if opt is None else {
+            i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+            for i, st in enumerate(opt.state.values())},
+        "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()),
+    }
+
+
+def assert_same_state(a, b):
+    """Bit-identical: what ``state_snapshot`` copied, before and after."""
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        assert torch.equal(a["state"][k], b["state"][k]), k
+    for n, g in a["grads"].items():
+        assert (g is None) == (b["grads"][n] is None) and (g is None or torch.equal(g, b["grads"][n])), n
+    assert a["requires_grad"] == b["requires_grad"] and a["training"] == b["training"]
+    assert a["hooks"] == b["hooks"] and a["attributes"] == b["attributes"]
+    if a["opt"] is not None:
+        assert a["opt"].keys() == b["opt"].keys()
+        for i in a["opt"]:
+            for k, v in a["opt"][i].items():
+                assert torch.equal(v, b["opt"][i][k]) if torch.is_tensor(v) else v == b["opt"][i][k]
+    assert torch.equal(a["rng"][0], b["rng"][0]) and a["rng"][1] == b["rng"][1]
+    assert np.array_equal(a["rng"][2], b["rng"][2])

@@ -12,14 +12,11 @@ import ast
 import contextlib
 import dataclasses
 import json
-import os
 import pathlib
 import pickle
-import random
 import sys
 import warnings
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -32,6 +29,7 @@ from rewriter.errors import PlanError
 from rewriter.ir import mark_new_node
 from rewriter.verify import flatten_output
 from tests.controlled import QUICK, ControlledClock, RewriteRelu
+from tests.helpers import assert_same_state, state_snapshot
 from tests.models import BnNet, HandAttention, ReluMLP
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -42,40 +40,6 @@ def _opt(model, inputs, **kw):
     kw.setdefault("clock", ControlledClock(FAST))
     kw.setdefault("passes", [RewriteRelu("a")])
     return rewriter.optimize(model, inputs, gate=QUICK, progress=False, profile=False, **kw)
-
-
-def _snapshot(model, opt=None):
-    """Everything measuring could change, copied: tensors, grads, flags, optimizer, RNGs, hooks."""
-    return {
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
-        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
-        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
-        "training": [m.training for m in model.modules()],
-        "hooks": [(dict(m._forward_hooks), dict(m._forward_pre_hooks)) for m in model.modules()],
-        # torch.compile marks the module it wraps with ``_is_torch_compile`` (torch's own doing).
-        "attributes": [sorted(k for k in vars(m) if k != "_is_torch_compile") for m in model.modules()],
-        "opt": None if opt is None else {
-            i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
-            for i, st in enumerate(opt.state.values())},
-        "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()),
-    }
-
-
-def _assert_same(a, b):
-    assert a["state"].keys() == b["state"].keys()
-    for k in a["state"]:
-        assert torch.equal(a["state"][k], b["state"][k]), k
-    for n, g in a["grads"].items():
-        assert (g is None) == (b["grads"][n] is None) and (g is None or torch.equal(g, b["grads"][n])), n
-    assert a["requires_grad"] == b["requires_grad"] and a["training"] == b["training"]
-    assert a["hooks"] == b["hooks"] and a["attributes"] == b["attributes"]
-    if a["opt"] is not None:
-        assert a["opt"].keys() == b["opt"].keys()
-        for i in a["opt"]:
-            for k, v in a["opt"][i].items():
-                assert torch.equal(v, b["opt"][i][k]) if torch.is_tensor(v) else v == b["opt"][i][k]
-    assert torch.equal(a["rng"][0], b["rng"][0]) and a["rng"][1] == b["rng"][1]
-    assert np.array_equal(a["rng"][2], b["rng"][2])
 
 
 def _outputs_and_grads(fn, args, params, kwargs=None):
@@ -269,18 +233,18 @@ def test_input_on_another_device_is_refused_naming_both_devices():
 
 def test_forward_that_raises_reaches_the_user_as_the_cause():
     model, x = RaisingForward().train(), torch.randn(4, 8)
-    before = _snapshot(model)
+    before = state_snapshot(model)
     with pytest.raises(ValueError, match="cannot run on the example inputs.*UserBug") as info:
         _opt(model, (x,))
     assert isinstance(info.value.__cause__, UserBug) and "call 1" in str(info.value.__cause__)
-    _assert_same(before, _snapshot(model))
+    assert_same_state(before, state_snapshot(model))
 
 
 def test_user_code_that_raises_while_measuring_propagates_and_restores_the_model():
     """The loss function (user code run at every measured step) fails part way through the
     measuring: the user's own exception reaches them and the model is as it was."""
     model, opt, x, y = _mid_training()
-    before = _snapshot(model, opt)
+    before = state_snapshot(model, opt)
     calls = [0]
 
     def flaky_loss(out):
@@ -292,7 +256,7 @@ def test_user_code_that_raises_while_measuring_propagates_and_restores_the_model
     with pytest.raises(UserBug, match="loss failed"):
         _opt(model, (x,), optimizer=opt, loss_fn=flaky_loss, clock=clock)
     assert clock.calls > 0
-    _assert_same(before, _snapshot(model, opt))
+    assert_same_state(before, state_snapshot(model, opt))
     assert model.bn.num_batches_tracked.item() == 2  # the measured steps' BN updates undone
 
 
@@ -331,10 +295,10 @@ def test_no_grad_requiring_parameters_gates_the_forward_and_stays_frozen():
     for p in frozen.parameters():
         p.requires_grad_(False)
     x = torch.randn(4, 16)
-    before = _snapshot(frozen)
+    before = state_snapshot(frozen)
     fast = _opt(frozen, (x,), loss_fn=lambda out: out.sum())
     assert fast.report.mode == "inference" and fast.report.kept_passes == ["a"]
-    _assert_same(before, _snapshot(frozen))
+    assert_same_state(before, state_snapshot(frozen))
     assert not any(p.requires_grad for p in frozen.parameters())
     torch.testing.assert_close(fast(x), frozen(x), rtol=0, atol=0)
 
@@ -416,26 +380,26 @@ def _mid_training(model_cls=BnNet):
 @pytest.mark.parametrize("front_end", ["fx", "dynamo"])
 def test_interrupt_while_measuring_leaves_the_model_as_it_was_and_optimizable_again(front_end):
     model, opt, x, y = _mid_training()
-    before = _snapshot(model, opt)
+    before = state_snapshot(model, opt)
     loss = lambda out: F.cross_entropy(out, y)  # noqa: E731
     with pytest.raises(KeyboardInterrupt):
         _opt(model, (x,), optimizer=opt, loss_fn=loss, front_end=front_end,
              clock=ControlledClock(FAST, interrupt_after=3))
-    _assert_same(before, _snapshot(model, opt))
+    assert_same_state(before, state_snapshot(model, opt))
     fast, opt2 = _opt(model, (x,), optimizer=opt, loss_fn=loss, front_end=front_end)
     assert fast.report.front_end == front_end and fast.report.kept_passes == ["a"]
-    _assert_same(before, _snapshot(model, opt))
+    assert_same_state(before, state_snapshot(model, opt))
     loss(fast(x)).backward()
     opt2.step()  # and it trains
 
 
 def test_interrupt_inside_a_pass_is_not_swallowed_and_leaves_the_model_as_it_was():
     model, opt, x, y = _mid_training()
-    before = _snapshot(model, opt)
+    before = state_snapshot(model, opt)
     with pytest.raises(KeyboardInterrupt):
         _opt(model, (x,), optimizer=opt, loss_fn=lambda out: F.cross_entropy(out, y),
              passes=[InterruptingRelu("a"), RewriteRelu("b")])
-    _assert_same(before, _snapshot(model, opt))
+    assert_same_state(before, state_snapshot(model, opt))
 
 
 class _RunsWhenUnpickled:

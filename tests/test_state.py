@@ -1,43 +1,13 @@
 """Measuring leaves the user's parameters, buffers, optimizer state and RNG bit-identical."""
-import random
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import rewriter
 from tests.controlled import QUICK, ControlledClock, RewriteRelu
+from tests.helpers import assert_same_state, state_snapshot
 from tests.models import BnNet
-
-
-def _state(model, opt):
-    torch_rng, py_rng, np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
-    return {
-        "params": {k: v.clone() for k, v in model.state_dict(keep_vars=False).items()},
-        "grads": {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()},
-        "opt": {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
-                for p, st in opt.state.items()},
-        "rng": (torch_rng, py_rng, np_rng[1].copy()),
-        "training": [m.training for m in model.modules()],
-    }
-
-
-def _assert_identical(a, b):
-    assert a["params"].keys() == b["params"].keys()
-    for k in a["params"]:
-        assert torch.equal(a["params"][k], b["params"][k]), k
-    for k in a["grads"]:
-        assert (a["grads"][k] is None) == (b["grads"][k] is None), k
-        if a["grads"][k] is not None:
-            assert torch.equal(a["grads"][k], b["grads"][k]), k
-    assert a["opt"].keys() == b["opt"].keys()
-    for pid in a["opt"]:
-        for k, v in a["opt"][pid].items():
-            assert torch.equal(v, b["opt"][pid][k]) if torch.is_tensor(v) else v == b["opt"][pid][k]
-    assert torch.equal(a["rng"][0], b["rng"][0]) and a["rng"][1] == b["rng"][1]
-    assert np.array_equal(a["rng"][2], b["rng"][2])
-    assert a["training"] == b["training"]
 
 
 @pytest.fixture
@@ -55,22 +25,22 @@ def job():
 
 def test_measuring_leaves_everything_bit_identical(job):
     model, opt, x, y = job
-    before = _state(model, opt)
+    before = state_snapshot(model, opt)
     rewriter.optimize(model, (x,), optimizer=opt, loss_fn=lambda out: F.cross_entropy(out, y),
                       passes=[RewriteRelu("a")], clock=ControlledClock({"a": 0.5}), gate=QUICK,
                       progress=False)
-    _assert_identical(before, _state(model, opt))
+    assert_same_state(before, state_snapshot(model, opt))
     assert model.bn.num_batches_tracked.item() == 2
 
 
 def test_interrupt_while_measuring_leaves_the_model_as_it_was(job):
     model, opt, x, y = job
-    before = _state(model, opt)
+    before = state_snapshot(model, opt)
     with pytest.raises(KeyboardInterrupt):
         rewriter.optimize(model, (x,), optimizer=opt, loss_fn=lambda out: F.cross_entropy(out, y),
                           passes=[RewriteRelu("a")], clock=ControlledClock({"a": 0.5}, interrupt_after=3),
                           gate=QUICK, progress=False)
-    _assert_identical(before, _state(model, opt))
+    assert_same_state(before, state_snapshot(model, opt))
     F.cross_entropy(model(x), y).backward()  # still usable
     opt.step()
 
