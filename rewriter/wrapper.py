@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from rewriter import amp
 from rewriter.capture import DynamoCapture, FxCapture
@@ -44,7 +45,7 @@ class OptimizedModel(nn.Module):
         d["_pending"] = pending
         d["_outcome"] = None
         d["_fx_by_mode"] = {}
-        d["_hooks_seen"] = None  # (modules, their hooks) when the rewrites were decided
+        d["_hooks_seen"] = None  # [modules, their hooks, hook counter] when the rewrites were decided
         d["report"] = None
         d["training"] = model.training
 
@@ -91,7 +92,7 @@ class OptimizedModel(nn.Module):
         self.__dict__["_outcome"] = outcome
         self.__dict__["report"] = outcome.report
         modules = list(self.__dict__["_model"].modules())
-        self.__dict__["_hooks_seen"] = (modules, _hooks_of(modules))
+        self.__dict__["_hooks_seen"] = [modules, _hooks_of(modules), RemovableHandle.next_id]
         if isinstance(outcome.capture, FxCapture):
             self.__dict__["_fx_by_mode"][outcome.capture.training] = outcome.capture
 
@@ -112,11 +113,19 @@ class OptimizedModel(nn.Module):
         return self._fx_for_mode(model.training)
 
     def _hooks_changed(self) -> bool:
-        """Hooks added to (or removed from) submodules after optimize(): a captured graph would
-        silently skip them (fx and Dynamo alike), so from then on the original model runs."""
-        modules, hooks = self.__dict__["_hooks_seen"]
-        now = _hooks_of(modules)
-        if now == hooks:
+        """Hooks added to submodules after optimize(): a captured graph would silently skip
+        them (fx and Dynamo alike), so from then on the original model runs.
+
+        Per call this is one integer compare: every hook registration anywhere advances torch's
+        global handle counter, and only then are the modules' hooks compared. (A hook removed
+        after optimize() is not looked for, as torch.compile does not look for it either.)
+        """
+        seen = self.__dict__["_hooks_seen"]
+        if RemovableHandle.next_id == seen[2]:
+            return False
+        modules, hooks = seen[0], seen[1]
+        if _hooks_of(modules) == hooks:
+            seen[2] = RemovableHandle.next_id  # hooks registered elsewhere
             return False
         outcome: Outcome = self.__dict__["_outcome"]
         outcome.use_original = True
