@@ -115,9 +115,11 @@ class Job:
         None for a model too large to copy or one that does not run in float64."""
         if sum(p.numel() for p in self.model.parameters()) > MAX_FLOAT64_COPY:
             return None
+        # The NPU's AI Core has no float64 arithmetic: that copy runs on the host.
+        device = "cpu" if self.backend.name == "npu" else None
         try:
-            model64 = copy.deepcopy(self.model).to(torch.float64)
-            args, kwargs = tree_map(_to_float64, (self.args, self.kwargs))
+            model64 = copy.deepcopy(self.model).to(device=device, dtype=torch.float64)
+            args, kwargs = tree_map(lambda x: _to_float64(x, device), (self.args, self.kwargs))
             job64 = dataclasses.replace(self, model=model64, args=args, kwargs=kwargs,
                                         optimizer=None, _cotangents=self._cotangents)
             return job64.numerics(model64)
@@ -189,5 +191,7 @@ def switched(switch: Any, **flags: bool):
             setattr(switch, k, v)
 
 
-def _to_float64(x: Any) -> Any:
-    return x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+def _to_float64(x: Any, device: str | None) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x.to(device=device, dtype=torch.float64 if x.is_floating_point() else x.dtype)

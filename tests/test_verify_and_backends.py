@@ -154,3 +154,17 @@ def test_optimize_end_to_end_on_the_npu_shim(fake_torch_npu):
     assert fast.report.device == "npu" and fast.report.kept_passes == ["fuse_attention"]
     assert "npu_fusion_attention" in fast.graph_code()["graph_0"]
     assert fast.report.top_ops_before, fast.report.notes  # profiled via the shim
+
+
+def test_float64_yardstick_copies_the_model_and_runs_on_the_host_for_npu(fake_torch_npu):
+    from rewriter.job import Job
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()).train()
+    job = Job(model, (torch.randn(2, 4),), {}, NpuBackend(), training=True)
+    values = job.float64_numerics()
+    assert values is not None and set(values) == {"output output", "grad 0.weight", "grad 0.bias"}
+    assert all(v.dtype == torch.float64 and v.device.type == "cpu" for v in values.values())
+    assert all(p.dtype == torch.float32 and p.grad is None for p in model.parameters())
+    fp32 = job.numerics(model)
+    for k in fp32:
+        torch.testing.assert_close(values[k].float(), fp32[k], rtol=1e-5, atol=1e-6)
