@@ -274,7 +274,8 @@ def _try_pass(p: Pass, cap: Capture, job: Job, ctx: PassContext, reference: Refe
     for slot in cap.slots:
         slot.accept() if keep else slot.reject()
     return Decision(p.name, keep, "kept" if keep else "rejected", reason, speedup=m.speedup,
-                    noise=m.noise, max_abs_error=err, sites=sites, measurement=m.to_dict())
+                    noise=m.noise, max_abs_error=err, sites=sites, measurement=m.to_dict(),
+                    verification=detail)
 
 
 def _variant_step(job: Job, cap: Capture, candidate: bool, passes: tuple[str, ...], label: str) -> Step:
@@ -475,7 +476,8 @@ def _replay(plan: dict, cap: Capture, job: Job, ctx: PassContext, reference: Ref
             slot.accept() if ok else slot.reject()
         status = "replayed" if ok else "failed verification"
         report.decisions.append(Decision(name, ok, status, detail if not ok else "from plan, not measured",
-                                         max_abs_error=err, sites=sites))
+                                         max_abs_error=err, sites=sites,
+                                         verification=detail if ok else ""))
         if ok:
             kept.append(p)
     replayed = f"replayed {[p.name for p in kept]} without measuring"

@@ -29,6 +29,7 @@ class Decision:
     max_abs_error: float | None = None
     sites: list[str] = field(default_factory=list)
     measurement: dict | None = None
+    verification: str = ""  # how the numerics check passed (error, and any yardstick used)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -105,6 +105,7 @@ def test_fp32_rounding_beyond_the_bound_is_judged_against_the_float64_run():
                              progress=False, profile=False)
     reorder, off = fast.report.decisions[:2]
     assert reorder.kept, reorder.reason
+    assert "within 4x of the float64 run's deviation" in reorder.verification
     assert off.status == "failed verification" and "the float64 run deviates" in off.reason
 
 
