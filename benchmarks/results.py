@@ -127,7 +127,7 @@ def _method_lines(results: Results) -> list[str]:
         f"default settings{', profile off, few pairs' if s.get('quick') else ''}). "
         "**first step s**: the first step after setup; for the torch.compile rows this is the "
         "compile (forward and backward). Inductor's cache is fresh at the start of the run and "
-        "shared within it, so `optimize() + torch.compile` may reuse kernels the `torch.compile` "
+        "shared within it, so `optimize() + compile()` may reuse kernels the `torch.compile` "
         "row built.",
         "- **rel. error**: max |output - eager output| / max |eager output| (logits), on the "
         "first step, from identical weights and inputs. bf16 rows show ~1e-2 by design.",

@@ -50,11 +50,15 @@ class GraphSlot:
         self.original = gm
         self.kept = gm
         self.candidate: GraphModule | None = None
+        self.compiled: Callable[..., Any] | None = None  # the kept graph, compiled (wrapper.compile)
         self.switch = switch
         self.name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        gm = self.candidate if self.switch.use_candidate and self.candidate is not None else self.kept
+        if self.switch.use_candidate and self.candidate is not None:
+            gm = self.candidate
+        else:
+            gm = self.compiled if self.compiled is not None else self.kept
         if self.switch.deterministic:
             with dropout_disabled():
                 return gm(*args, **kwargs)
@@ -141,9 +145,13 @@ class DynamoCapture(Capture):
 
     front_end = "dynamo"
 
-    def __init__(self, model: nn.Module, reason: str) -> None:
+    def __init__(self, model: nn.Module, reason: str,
+                 then_compile: Callable[[GraphModule, list[Any]], Callable[..., Any]] | None = None) -> None:
+        """``then_compile``: a torch.compile backend that each rewritten graph is handed to
+        (after ``on_new_graph``); by default the graphs run as they are."""
         super().__init__(reason)
         self.on_new_graph: Callable[[GraphSlot], None] | None = None
+        self.then_compile = then_compile
         self._model_tensors = {id(t) for t in list(model.parameters()) + list(model.buffers())}
         self.compiled = torch.compile(model, backend=self._backend, dynamic=None)
 
@@ -158,6 +166,8 @@ class DynamoCapture(Capture):
         log.debug("dynamo handed over %s with %d nodes", slot.name, len(gm.graph.nodes))
         if self.on_new_graph is not None:
             self.on_new_graph(slot)
+        if self.then_compile is not None:
+            return self.then_compile(slot.kept, example_inputs)
         return slot
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

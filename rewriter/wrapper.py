@@ -29,7 +29,7 @@ from rewriter.state import preserved_state
 
 log = logging.getLogger(__name__)
 
-_OWN = ("_model", "_outcome", "_pending", "_fx_by_mode", "report", "_hooks_seen")
+_OWN = ("_model", "_outcome", "_pending", "_fx_by_mode", "report", "_hooks_seen", "_compiled")
 
 
 class OptimizedModel(nn.Module):
@@ -46,6 +46,7 @@ class OptimizedModel(nn.Module):
         d["_outcome"] = None
         d["_fx_by_mode"] = {}
         d["_hooks_seen"] = None  # [modules, their hooks, hook counter] when the rewrites were decided
+        d["_compiled"] = None  # compile(): the backend, and what runs instead of the original
         d["report"] = None
         d["training"] = model.training
 
@@ -99,18 +100,53 @@ class OptimizedModel(nn.Module):
     def _runner(self) -> Callable[..., Any]:
         outcome: Outcome = self.__dict__["_outcome"]
         model = self.__dict__["_model"]
+        compiled = self.__dict__["_compiled"]
         if outcome is None or outcome.use_original or outcome.capture is None:
-            return model
+            return compiled["original"] if compiled and "original" in compiled else model
         if self._hooks_changed():
             return model
         if isinstance(outcome.capture, DynamoCapture):
+            if compiled:
+                return compiled["dynamo"]
             if torch.compiler.is_compiling():
                 # torch.compile(fast): Dynamo cannot trace into our own torch.compile'd model
                 # (an internal assertion); it compiles the original code instead, without the
-                # rewrites. An fx capture is a plain GraphModule and compiles with them.
+                # rewrites (fast.compile() keeps them). An fx capture is a plain GraphModule
+                # and compiles with them.
                 return model
             return outcome.capture  # Dynamo recompiles on a mode change; kept passes replay
         return self._fx_for_mode(model.training)
+
+    def compile(self, backend: str | Callable[..., Any] = "inductor") -> None:  # type: ignore[override]
+        """Compile the rewritten graphs with a torch.compile ``backend`` (Inductor by default),
+        in place::
+
+            fast = rewriter.optimize(model, example_inputs=(x,))
+            fast.compile()           # the kept rewrites, then Inductor's own fusion
+
+        ``torch.compile(fast)`` also works, but for a Dynamo-captured model (transformers v5
+        models) it compiles the model's original code and the rewrites are lost. Compiling is
+        the user's choice and is not measured; the report notes it.
+        """
+        outcome: Outcome | None = self.__dict__["_outcome"]
+        if outcome is None:
+            raise RuntimeError("compile() needs the optimized model: pass example_inputs to "
+                               "optimize(), or call the model once first")
+        compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        model = self.__dict__["_model"]
+        if outcome.use_original or outcome.capture is None:
+            self.__dict__["_compiled"] = {"original": torch.compile(model, backend=compiler)}
+        elif isinstance(outcome.capture, DynamoCapture):
+            cap = DynamoCapture(model, "compiled after optimize()", then_compile=compiler)
+            cap.on_new_graph = lambda slot: replay_on_slot(slot, outcome.kept, outcome.context)
+            self.__dict__["_compiled"] = {"dynamo": cap}
+        else:
+            self.__dict__["_compiled"] = {"fx": compiler}
+            for runner in self.__dict__["_fx_by_mode"].values():
+                if isinstance(runner, FxCapture):
+                    _compile_fx_capture(runner, compiler)
+        name = backend if isinstance(backend, str) else getattr(backend, "__name__", "a backend")
+        outcome.report.notes.append(f"compiled with {name} after optimize() (not measured)")
 
     def _hooks_changed(self) -> bool:
         """Hooks added to submodules after optimize(): a captured graph would silently skip
@@ -161,6 +197,11 @@ def _hooks_of(modules: list[nn.Module]) -> tuple:
                   tuple(getattr(m, "_backward_pre_hooks", ()))) for m in modules)
 
 
+def _compile_fx_capture(cap: FxCapture, compiler: Callable[..., Any]) -> None:
+    slot = cap.slots[0]
+    slot.compiled = torch.compile(slot.kept, backend=compiler)
+
+
 class _LazyFxRetrace:
     def __init__(self, owner: OptimizedModel, training: bool) -> None:
         self.owner, self.training = owner, training
@@ -174,6 +215,8 @@ class _LazyFxRetrace:
             cap.output_type = outcome.capture.output_type
             ctx = dataclasses.replace(outcome.context, training=self.training)
             replay_on_slot(cap.slots[0], outcome.kept, ctx)
+            if d["_compiled"]:
+                _compile_fx_capture(cap, d["_compiled"]["fx"])
             runner: Callable[..., Any] = cap
         except Exception as e:
             log.warning("rewriter: retrace for %s mode failed (%s); running the original model",

@@ -221,3 +221,30 @@ def test_capture_failure_runs_the_original_and_keeps_the_optimizer(monkeypatch, 
     fast, opt2 = _opt(model, (x,), optimizer=opt, loss_fn=lambda o: o.mean())
     assert opt2 is opt and fast._runner() is model
     assert "capture failed" in fast.report.final["reason"]
+
+
+def test_compile_of_an_fx_capture_compiles_the_rewritten_graph_in_both_modes():
+    torch.manual_seed(0)
+    model = HandAttention("mul").eval()
+    x = torch.randn(2, 16, 32)
+    fast = rewriter.optimize(model, (x,), passes=["fuse_attention"], progress=False, profile=False,
+                             clock=ControlledClock({"fuse_attention": 0.5}), gate=QUICK)
+    assert fast.report.front_end == "fx" and fast.report.kept_passes == ["fuse_attention"]
+    seen: list[str] = []
+
+    def backend(gm, example_inputs):
+        seen.append(gm.code)
+        return gm.forward
+    fast.compile(backend=backend)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-6)
+    assert len(seen) == 1 and "scaled_dot_product_attention" in seen[0]
+    fast.train()  # a retrace for training mode is compiled too
+    torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-6)
+    assert len(seen) == 2 and "scaled_dot_product_attention" in seen[1]
+
+
+def test_compile_before_optimizing_is_refused():
+    fast = rewriter.optimize(torch.nn.Linear(2, 2), progress=False)
+    with pytest.raises(RuntimeError, match="example_inputs"):
+        fast.compile()

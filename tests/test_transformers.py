@@ -183,3 +183,35 @@ def test_torch_compile_of_a_dynamo_captured_model_runs_the_model():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+class _RecordingBackend:
+    """A torch.compile backend that keeps the code of every graph it is given and runs it."""
+
+    def __init__(self):
+        self.code: list[str] = []
+
+    def __call__(self, gm, example_inputs):
+        self.code.append(gm.code)
+        return gm.forward
+
+
+def test_compile_hands_the_rewritten_graphs_to_the_backend():
+    torch.manual_seed(0)
+    model = _gpt2().train()
+    inputs = _inputs(True)
+    fast = _optimize(model, inputs)
+    assert fast.report.front_end == "dynamo" and "fuse_attention" in fast.report.kept_passes
+    backend = _RecordingBackend()
+    fast.compile(backend=backend)
+    got = fast(**inputs).loss
+    assert backend.code and "scaled_dot_product_attention" in "\n".join(backend.code)
+    assert any("compiled with" in n for n in fast.report.notes)
+    got.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    want = model(**inputs).loss
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
