@@ -33,20 +33,28 @@ Not done, and why:
 
 Safe when: the view's strides are known (example inputs), it is not already contiguous, the model
 does not itself call ``.contiguous()`` on it, and nothing writes in place between the view and its
-last rerouted reader (the copy is taken at the view, so a later write would not reach it).
+last rerouted reader (the copy is taken at the view, so a later write would not reach it); with
+a reshape or flatten reader (whose output may be a view of the base, not of the copy), nothing
+writes in place after the view at all.
 Contract: exact (the same values, in another memory layout).
 Devices: cpu, cuda, npu.
 """
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import TensorInfo, is_op, mark_new_node, op_name, tensor_info
+from rewriter.ir import (
+    TensorInfo,
+    is_op,
+    mark_new_node,
+    op_name,
+    tensor_info,
+    writes_in_place,
+)
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 # Ops whose output is a view of their input that may be strided.
@@ -60,9 +68,7 @@ OTHER_READERS = frozenset({"flatten", "addmm", "baddbmm", "layer_norm", "group_n
 _EXTRA_FUNCTIONS = {torch.flatten: "flatten", torch.baddbmm: "baddbmm", F.layer_norm: "layer_norm",
                     F.group_norm: "group_norm", torch.narrow: "narrow", torch.select: "select",
                     torch.movedim: "movedim", torch.swapaxes: "swapaxes", torch.diagonal: "diagonal"}
-_INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
-                      operator.setitem}
+
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -94,21 +100,6 @@ def _name(node: Node) -> str | None:
     return op_name(node)
 
 
-def _mutates(node: Node) -> bool:
-    """Writes into one of its inputs (``add_``, ``x += y``, ``x[i] = y``, ``out=``)."""
-    if "out" in node.kwargs:
-        return True
-    if node.op == "call_method":
-        target = str(node.target)
-        return target.endswith("_") and not target.startswith("__")
-    if node.op == "call_function":
-        try:
-            return node.target in _INPLACE_FUNCTIONS
-        except TypeError:
-            return False
-    return node.op == "call_module"  # unknown code: may write anywhere
-
-
 def readers_needing_contiguous(view: Node) -> list[Node]:
     return [u for u in view.users if _name(u) in CORE_READERS | OTHER_READERS]
 
@@ -127,9 +118,13 @@ def can_make_contiguous(view: Node, order: dict[Node, int]) -> tuple[list[Node],
     readers = readers_needing_contiguous(view)
     if not (len(readers) >= 2 or any(_name(u) in CORE_READERS for u in readers)):
         return [], f"{len(readers)} reader needing contiguous memory, none a GEMM, conv or reshape"
-    last = max(order[u] for u in readers)
-    if any(_mutates(n) for n in order if order[view] < order[n] < last):
-        return [], "an in-place write between the view and its readers"
+    # A reshape or flatten of the view may itself be a view of the view's base (a split
+    # dimension); of the copy, it no longer is: a write after it, into either, would reach the
+    # one and not the other. Then no write may follow the view at all.
+    aliasing = any(_name(u) in ("reshape", "flatten") for u in readers)
+    last = len(order) if aliasing else max(order[u] for u in readers)
+    if any(writes_in_place(n) for n in order if order[view] < order[n] < last):
+        return [], "an in-place write after the view" + ("" if aliasing else ", before its readers")
     return readers, ""
 
 

@@ -23,7 +23,9 @@ call's sizes exceed MAX_SIZE, the chain runs in int64 exactly as before. Sizes b
 Dynamo are constants and need no check.
 
 Where a narrowed value leaves the chain it is cast back with ``.to(torch.int64)``, one cast per
-value, except into readers that take int32 and give the same result: comparisons (bool out),
+value, except into readers that take int32 and give the same result: comparisons (bool out;
+not with a Python int or 0-d int64 tensor that int32 cannot hold, or a host int of unknown
+range: an int32 tensor compares with those in int32),
 ``F.embedding`` indices and ``index_select`` indices (both documented for IntTensor or
 LongTensor). gather/scatter/indexing and graph outputs get int64, as before.
 Only chains with int64 arithmetic or comparisons are rewritten (an arange straight into an
@@ -43,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import arg, mark_new_node, op_name, tensor_info
+from rewriter.ir import arg, mark_new_node, op_name, tensor_info, writes_in_place
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -144,14 +146,6 @@ def _value_preserving(node: Node) -> str | None:
     return name if name in _VALUE_PRESERVING else None
 
 
-def _mutates(node: Node) -> bool:
-    """Writes into its first argument (``add_``, ``x += 1``, ``x[i] = v``, ``out=``)."""
-    target = str(node.target)
-    return ("out" in node.kwargs or (node.op == "call_method" and target.endswith("_")
-                                     and not target.startswith("__"))
-            or node.target in (operator.iadd, operator.isub, operator.imul, operator.setitem))
-
-
 def _written_in_place(members: list[Node]) -> bool:
     """Some node writes into a chain value or into anything computed from one (which may be a
     view of it: after narrowing, readers outside the chain see a copy, so the write would no
@@ -159,7 +153,7 @@ def _written_in_place(members: list[Node]) -> bool:
     derived, frontier = set(members), list(members)
     while frontier:
         for u in frontier.pop().users:
-            if _mutates(u) and u.args and u.args[0] in derived:
+            if writes_in_place(u) and u.args and u.args[0] in derived:
                 return True
             if u not in derived:
                 derived.add(u)
@@ -266,12 +260,33 @@ def _tensor_interval(node: Node, kind: str | None, interval: Any,
     return result.ranges[node.args[0]], [node.args[0]]
 
 
-def _takes_int32(user: Node, value: Node) -> bool:
-    """``user`` gives the same result for ``value`` in int32 as in int64."""
+def _compares_in_range(user: Node, value: Node, narrowed: set) -> bool:
+    """Every other operand of comparison ``user`` leaves the int32 ``value`` compared exactly: an
+    int32 tensor with a Python int, or with a 0-d int64 tensor, computes in int32 (the other value
+    wraps: ``pos < 2**32`` is all False); a float, a bool, a narrowed value or a tensor with
+    dimensions (which promotes) does not."""
+    for other in list(user.args) + list(user.kwargs.values()):
+        if other is value or other in narrowed or isinstance(other, (bool, float)):
+            continue
+        if _is_int(other):
+            if not INT32_MIN <= other <= INT32_MAX:
+                return False
+            continue
+        info = tensor_info(other)
+        if info is None:  # a host int of unknown range, or a tensor of unknown dtype
+            return False
+        if info.ndim == 0 and not info.dtype.is_floating_point and info.dtype != torch.bool:
+            return False
+    return True
+
+
+def _takes_int32(user: Node, value: Node, narrowed: set = frozenset()) -> bool:
+    """``user`` gives the same result for ``value`` in int32 as in int64 (``narrowed``: the
+    values that are int32 too)."""
     if _comparison(user):
-        return True  # bool out; mixed int32/int64 operands promote
+        return _compares_in_range(user, value, narrowed)  # bool out; other ints promote
     if user.op == "call_function" and user.target is F.embedding:
-        return user.args[0] is value and arg(user, 1, "weight") is not value
+        return arg(user, 0, "input") is value and arg(user, 1, "weight") is not value
     if op_name(user) == "index_select":  # x.index_select(dim, index)
         return arg(user, 2, "index") is value and user.args[0] is not value
     return False
@@ -316,8 +331,9 @@ def chains(gm: GraphModule) -> tuple[list[Chain], list[str]]:
             for u in n.users:
                 if u in member_set and n in a.narrowable[u]:
                     continue
-                compares |= _comparison(u)
-                if not _takes_int32(u, n):
+                takes = _takes_int32(u, n, member_set)
+                compares |= takes and _comparison(u)
+                if not takes:
                     exits.setdefault(n, []).append(u)
         label = members[0].name
         if not (arithmetic or compares):

@@ -5,12 +5,12 @@ Rewrites (``K`` the reduced dimension, ``N`` the output width; ``Kp``, ``Np`` th
     y = F.linear(x, W, b)          # W (N, K), b (N,)
   ->
     y = F.linear(F.pad(x, (0, Kp-K)), F.pad(W, (0, Kp-K, 0, Np-N)), F.pad(b, (0, Np-N)))
-    y = torch.narrow(y, -1, 0, N)
+    y = torch.narrow(y, -1, 0, N).contiguous()
 
     y = torch.matmul(a, b)         # a (..., M, K), b (..., K, N); torch.bmm the same
   ->
     y = torch.matmul(F.pad(a, (0, Kp-K)), F.pad(b, (0, Np-N, 0, Kp-K)))
-    y = torch.narrow(y, -1, 0, N)          # a view: N of Np columns
+    y = torch.narrow(y, -1, 0, N).contiguous()   # N of Np columns, row-major as before
 
 Only what is misaligned is padded (K, N or both); M (rows) is left alone: the vendor rule is about
 the inner (last) axis of both inputs (reference npu_ecosystem.md §4.1, advisor "AI Core
@@ -19,7 +19,8 @@ so parameters stay as they are (state_dict, gradients through F.pad's backward, 
 later). A dimension whose size is fixed (a weight's, or computed only from weights) is padded by a
 constant; any other (activations: an fx graph serves every input shape) by ``(-size) % align``
 computed in the graph from ``size()``, so another input shape still pads correctly. Several
-linears reading one input share its padded copy.
+linears reading one input share its padded copy (unless something writes in place between them).
+A bias that broadcasts over N ((1,) or 0-d) is left as it is.
 
 Alignment: ``ctx.backend.matmul_alignment`` (NPU 16: the Cube's 16x16 fractal; CUDA 8: tensor
 cores). The CPU backend declares none (1); this pass tries ``CPU_CANDIDATE_ALIGNMENT`` = 16 (one
@@ -54,6 +55,7 @@ from rewriter.ir import (
     mark_new_node,
     static_tensor,
     tensor_info,
+    written_between,
 )
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
@@ -129,7 +131,7 @@ def _target_size(size: int, align: int, preferred: int | None) -> int:
 def can_pad(node: Node, align: int, preferred: int | None) -> tuple[PadMatch | None, str]:
     """The padding ``node`` takes, or None and why not."""
     if is_op(node, "linear"):
-        a, w = node.args[0], arg(node, 1, "weight")
+        a, w = arg(node, 0, "input"), arg(node, 1, "weight")
         ai, wi = tensor_info(a), tensor_info(w)
         if ai is None or wi is None:
             return None, "shapes unknown"
@@ -187,7 +189,7 @@ class PadToAlignment(Pass):
             m: PadMatch = site.match
             node = m.node
             if m.kind == "linear":
-                a, w, bias = node.args[0], arg(node, 1, "weight"), arg(node, 2, "bias")
+                a, w, bias = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
                 n_dim = 0                    # W (N, K)
             else:
                 (a, w), bias = node.args, None
@@ -202,6 +204,8 @@ class PadToAlignment(Pass):
                 if m.pad_n:
                     pn = m.n_to - m.n if m.n_fixed else _pad_in_graph(g, w, n_dim, align)
                 if isinstance(pk, int) and pk:
+                    if (a, pk) in padded_inputs and written_between(padded_inputs[(a, pk)], node):
+                        del padded_inputs[(a, pk)]  # a write in between: that copy is stale
                     if (a, pk) not in padded_inputs:
                         padded_inputs[(a, pk)] = self._pad(g, a, (0, pk))
                     a = padded_inputs[(a, pk)]
@@ -209,8 +213,8 @@ class PadToAlignment(Pass):
                     a = self._pad(g, a, (0, pk))
                 if m.kind == "linear":
                     w = self._pad(g, w, (0, pk, 0, pn))  # W (N, K): K last, N before it
-                    if m.pad_n and bias is not None:
-                        bias = self._pad(g, bias, (0, pn))
+                    if m.pad_n and bias is not None and _bias_spans_n(bias, m.n):
+                        bias = self._pad(g, bias, (0, pn))  # a (1,) or 0-d bias broadcasts as is
                     new = g.call_function(F.linear, (a, w) if bias is None else (a, w, bias))
                 else:
                     w = self._pad(g, w, (0, pn, 0, pk))  # b (..., K, N): N last, K before it
@@ -218,13 +222,22 @@ class PadToAlignment(Pass):
                 if m.pad_n:
                     mark_new_node(new, self.name)  # its (padded) facts are filled in afterwards
                     n: int | Node = m.n if m.n_fixed else g.call_method("size", (w_orig, n_dim))
-                    new = g.call_function(torch.narrow, (new, -1, 0, n))
+                    new = mark_new_node(g.call_function(torch.narrow, (new, -1, 0, n)), self.name)
+                    # The N of Np columns are strided: contiguous again, as the product was
+                    # (a reader's or the caller's .view() needs it).
+                    new = g.call_method("contiguous", (new,))
                 mark_new_node(new, self.name, like=node)
             node.replace_all_uses_with(new)
             g.erase_node(node)
 
     def _pad(self, g: Graph, value: Node, pad: tuple) -> Node:
         return mark_new_node(g.call_function(F.pad, (value, pad)), self.name)
+
+
+def _bias_spans_n(bias: object, n: int) -> bool:
+    """The bias has the output's N columns (not a (1,) or 0-d bias that broadcasts over them)."""
+    info = tensor_info(bias)
+    return info is None or (info.ndim >= 1 and info.shape[-1] == n)
 
 
 def _pad_in_graph(g: Graph, value: Node, dim: int, align: int) -> Node:

@@ -16,12 +16,17 @@ oneDNN (CPU) and cuDNN (CUDA) have NHWC convolution kernels that avoid the layou
 NCHW path pays around each convolution; channels_last then propagates through element-wise ops,
 pooling and batch norm to the next convolution, where the conversion is a no-op
 (``contiguous(memory_format=...)`` returns the tensor itself when it already has that layout).
-Each tensor is converted once, however many convolutions read it. The weight conversion is in
-the graph at every call, from the live parameter (state_dict, gradients and weights loaded later
-are the user's as before); the convolution would make the same conversion internally. Graph
-outputs of rank 4 that were contiguous are made contiguous again, so a caller's ``.view()`` on
-the output keeps working.
-Safe when: a 4-D floating input (batched images); an input already channels_last is left.
+Each tensor is converted once, right before the first convolution that reads it (so after any
+in-place write into it; again after a write between two such convolutions). The weight
+conversion is in the graph at every call, from the live parameter (state_dict, gradients and
+weights loaded later are the user's as before); the convolution would make the same conversion
+internally. Graph outputs computed from a convolution that were contiguous (any rank: ``h[0]``
+too) are made contiguous again, so a caller's ``.view()`` on the output keeps working; so is the
+input of a ``.view()`` (or another stride reader) in the graph (``h.view(n, -1)`` raises on an
+NHWC ``h``).
+Safe when: a 4-D floating input (batched images); an input already channels_last is left. Not
+done at all (the graph is left as it is) when something writes in place after such a
+``.view()``: the view is then of a contiguous copy, and the write would reach only one of them.
 Contract: exact (the same convolution in another memory layout; the kernel may sum in another
 order, fp32 rounding only).
 Devices: cpu, cuda. Not npu: its convolutions run on the device's own formats (NC1HWC0
@@ -35,7 +40,15 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from passes.make_contiguous import is_contiguous
-from rewriter.ir import TensorInfo, arg, hoist_reads, is_op, mark_new_node, tensor_info
+from rewriter.ir import (
+    TensorInfo,
+    arg,
+    hoist_reads,
+    is_op,
+    mark_new_node,
+    tensor_info,
+    written_between,
+)
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 
@@ -59,7 +72,7 @@ def can_convert(conv: Node) -> str | None:
     """None when ``conv`` may run on channels_last tensors, else why not."""
     if not _conv2d(conv):
         return "not a conv2d"
-    x, w = tensor_info(conv.args[0]), tensor_info(arg(conv, 1, "weight"))
+    x, w = tensor_info(arg(conv, 0, "input")), tensor_info(arg(conv, 1, "weight"))
     if x is None or w is None:
         return "shapes unknown"
     if x.ndim != 4:
@@ -77,47 +90,86 @@ class ToChannelsLast(Pass):
     devices = frozenset({"cpu", "cuda"})
 
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
-        return [Site(n, f"{n.name}: conv2d on {tensor_info(n.args[0]).shape} in channels_last", tensor_info(n))
-                for n in gm.graph.nodes if can_convert(n) is None]
+        sites = [Site(n, f"{n.name}: conv2d on {tensor_info(arg(n, 0, 'input')).shape} in channels_last",
+                      tensor_info(n))
+                 for n in gm.graph.nodes if can_convert(n) is None]
+        # A .view() of a (now NHWC) conv result is taken of a contiguous copy; a write after it
+        # would reach the copy or the original, not both as before: then leave the graph alone.
+        if any(written_between(r) for r in layout_readers([s.anchor for s in sites])):
+            return []
+        return sites
 
     def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
         g = gm.graph
         output = next(n for n in reversed(g.nodes) if n.op == "output")
         # Read before the conv outputs' facts change to NHWC below.
+        computed = computed_from([s.anchor for s in sites])
         contiguous_outputs = {v: info for v in output.all_input_nodes
-                              if (info := tensor_info(v)) is not None and info.ndim == 4 and is_contiguous(info)}
+                              if v in computed and (info := tensor_info(v)) is not None and is_contiguous(info)}
         converted: dict[object, Node] = {}  # one conversion per tensor
         for site in sites:
             conv: Node = site.anchor
-            hoist_reads(conv, (conv.args[0], arg(conv, 1, "weight")))
-            args = list(conv.args)
-            args[0] = self._convert(g, args[0], converted)
-            if len(args) > 1:
-                args[1] = self._convert(g, args[1], converted)
-            else:
-                conv.kwargs = {**conv.kwargs, "weight": self._convert(g, conv.kwargs["weight"], converted)}
-            conv.args = tuple(args)
+            hoist_reads(conv, (arg(conv, 0, "input"), arg(conv, 1, "weight")))
+            args, kwargs = list(conv.args), dict(conv.kwargs)
+            for i, name in enumerate(("input", "weight")):
+                if len(args) > i:
+                    args[i] = self._convert(g, args[i], conv, converted)
+                else:
+                    kwargs[name] = self._convert(g, kwargs[name], conv, converted)
+            conv.args, conv.kwargs = tuple(args), kwargs
             conv.meta["rewriter_pass"] = self.name
             out: TensorInfo | None = site.match
             if out is not None:  # the output is NHWC now; later passes read strides
                 conv.meta["tensor_info"] = dataclasses.replace(out, stride=channels_last_strides(out.shape))
-        # 4-D outputs that were contiguous are returned contiguous (a no-op where they still are).
+        # Layout readers (.view()) of what the convolutions computed read it contiguous, as before.
+        for reader in layout_readers([s.anchor for s in sites]):
+            with g.inserting_before(reader):
+                restored = mark_new_node(g.call_method("contiguous", (reader.args[0],)), self.name)
+            reader.replace_input_with(reader.args[0], restored)
+        # Outputs that were contiguous are returned contiguous (a no-op where they still are).
         for value, info in contiguous_outputs.items():
             with g.inserting_before(output):
                 restored = mark_new_node(g.call_method("contiguous", (value,)), self.name)
             restored.meta["tensor_info"] = info
             output.replace_input_with(value, restored)
 
-    def _convert(self, g: Graph, value: Node, converted: dict[object, Node]) -> Node:
+    def _convert(self, g: Graph, value: Node, conv: Node, converted: dict[object, Node]) -> Node:
         # A parameter read twice (fx makes a get_attr per read) is still one tensor.
         key = ("attr", value.target) if value.op == "get_attr" else value
+        if key in converted and written_between(converted[key], conv):
+            del converted[key]  # written in place since that copy: it is stale
         if key not in converted:
-            # Right after the producer, so every convolution reading it can use the one copy.
-            anchor = value if value.op != "placeholder" else [n for n in g.nodes if n.op == "placeholder"][-1]
-            with g.inserting_after(anchor):
+            # Right before the first convolution reading it (after any write into it before);
+            # later convolutions reading it use the one copy.
+            with g.inserting_before(conv):
                 node = g.call_method("contiguous", (value,), {"memory_format": torch.channels_last})
             converted[key] = mark_new_node(node, self.name)
         return converted[key]
+
+
+# Readers whose result depends on the strides of their input, not only on its values.
+_LAYOUT_METHODS = frozenset({"view", "view_as", "as_strided", "stride", "is_contiguous", "data_ptr"})
+
+
+def computed_from(convs: list[Node]) -> set[Node]:
+    """The convolutions and every node computed from their results (channels_last propagates
+    through element-wise ops, pooling, norms)."""
+    derived, frontier = set(convs), list(convs)
+    while frontier:
+        for u in frontier.pop().users:
+            if u not in derived:
+                derived.add(u)
+                frontier.append(u)
+    return derived
+
+
+def layout_readers(convs: list[Node]) -> list[Node]:
+    """Readers of the strides (``h.view(n, -1)``: raises on an NHWC ``h``) of what ``convs``
+    computed, in graph order."""
+    derived = computed_from(convs)
+    return [u for u in convs[0].graph.nodes if u in derived and u.args and u.args[0] in derived
+            and ((u.op == "call_method" and u.target in _LAYOUT_METHODS)
+                 or (u.op == "call_function" and u.target is torch.as_strided))] if convs else []
 
 
 register_pass(ToChannelsLast())

@@ -11,6 +11,7 @@ are functional (parameters arrive as placeholders). The remaining spelling diffe
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 from dataclasses import dataclass
@@ -416,3 +417,61 @@ def functionalize_leaf_modules(gm: GraphModule) -> list[str]:
             graph.erase_node(node)
     gm.recompile()
     return left
+
+
+# --- in-place writes ---------------------------------------------------------------------
+
+_INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+                      operator.setitem}
+
+_INPLACE_INDEX: dict[object, int | None] = {}
+
+
+def _inplace_index(target: object) -> int | None:
+    """Position of the ``inplace`` parameter of ``target`` (``F.relu(x, inplace)``), if any."""
+    try:
+        return _INPLACE_INDEX[target]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable target
+        return None
+    try:
+        params = list(inspect.signature(target).parameters)  # type: ignore[arg-type]
+        index = params.index("inplace") if "inplace" in params else None
+    except (TypeError, ValueError):
+        index = None
+    _INPLACE_INDEX[target] = index
+    return index
+
+
+def writes_in_place(node: Node) -> bool:
+    """Writes into one of its inputs (``add_``, ``x += y``, ``x[i] = y``, ``out=``,
+    ``torch.relu_(x)``, ``F.relu(x, inplace=True)``)."""
+    if "out" in node.kwargs or node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method":
+        target = str(node.target)
+        return target.endswith("_") and not target.startswith("__")
+    if node.op == "call_function":
+        try:
+            if node.target in _INPLACE_FUNCTIONS:
+                return True
+        except TypeError:
+            pass
+        name = str(getattr(node.target, "__name__", "")).split(".")[0]  # aten "add_.Tensor"
+        if name.endswith("_") and not name.startswith("__"):  # torch.relu_, Tensor.add_
+            return True
+        index = _inplace_index(node.target)
+        return index is not None and len(node.args) > index and node.args[index] is True
+    return node.op == "call_module"  # unknown code: may write anywhere
+
+
+def written_between(start: Node, end: Node | None = None) -> bool:
+    """Some node after ``start`` and before ``end`` (the graph's output when None) writes in place."""
+    n = start.next
+    while n is not end and n.op not in ("output", "root"):
+        if writes_in_place(n):
+            return True
+        n = n.next
+    return False

@@ -407,3 +407,237 @@ def test_registered_in_order_before_cast_to_half():
     assert [names.index(n) for n in order] == sorted(names.index(n) for n in order)
     assert names[0] == "fuse_qkv_projections" and names[-1] == "cast_to_half"
     assert all(registered_passes()[n].contract == "exact" for n in order[1:-1])
+
+
+# --- review regressions: inputs the passes must keep exact (or decline) -------------------------
+
+def _same_no_grad(model, cap, args):
+    """Outputs (any dtype, layout-independent) and the inputs after the call (a model may write
+    into them) equal; inputs are cloned per run, the calls under no_grad (what ``rewrite`` compiled
+    Dynamo graphs under)."""
+    a1, a2 = [a.clone() for a in args], [a.clone() for a in args]
+    with torch.no_grad():
+        want, got = model(*a1), cap(*a2)
+    want = want if isinstance(want, tuple) else (want,)
+    got = got if isinstance(got, tuple) else (got,)
+    assert len(got) == len(want)
+    for g, w in zip(list(got) + a2, list(want) + a1):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    return got
+
+
+class CompareBeyondInt32(nn.Module):
+    """Comparisons of narrowed positions with values int32 cannot hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("limit", torch.tensor(2**32))
+
+    def forward(self, x):
+        pos = torch.arange(x.size(1)) + 1
+        return pos < 2**32, pos != -2**33, pos < self.limit, pos[None, :] <= pos[:, None]
+
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+def test_narrow_int64_comparison_with_a_value_beyond_int32(front_end):
+    # an int32 tensor compared with a Python int or a 0-d int64 tensor computes in int32: the
+    # value wraps (2**32 -> 0) and every comparison came out False.
+    model, x = CompareBeyondInt32(), torch.randn(2, 7)
+    cap, sites = rewrite(model, (x,), "narrow_int64", front_end=front_end)
+    assert len(sites) == 1  # the pos <= pos comparison still runs in int32
+    got = _same_no_grad(model, cap, (x,))
+    assert bool(got[0].all()) and bool(got[2].all())
+
+
+class EmbeddingByKeyword(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(20, 3))
+
+    def forward(self, x):
+        pos = torch.arange(x.size(1)) + 1
+        return F.embedding(input=pos, weight=self.w), pos < 3
+
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+def test_narrow_int64_embedding_indices_by_keyword(front_end):
+    model, x = EmbeddingByKeyword(), torch.randn(2, 7)
+    cap, sites = rewrite(model, (x,), "narrow_int64", front_end=front_end)  # raised IndexError
+    assert len(sites) == 1
+    _same_no_grad(model, cap, (x,))
+
+
+class ViewWrittenInPlace(nn.Module):
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        y = x * 1
+        if self.form == "relu_":           # an in-place function between the view and its reader
+            v = y.transpose(0, 1)
+            torch.relu_(y)
+            return v @ self.w
+        if self.form == "inplace_kwarg":
+            v = y.transpose(0, 1)
+            F.relu(y, inplace=True)
+            return v @ self.w
+        v = y[:, :4]                       # reshape of this slice is a view of y ...
+        r = v.reshape(2, 2, 4)
+        o = v @ self.w
+        if self.form == "write_base_after":  # ... so a later write into y reaches r
+            y.mul_(2)
+            return r, o
+        if self.form == "write_reshape_after":  # ... and a write into r reaches y
+            r.add_(1)
+            return y, o
+        raise ValueError(self.form)
+
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+@pytest.mark.parametrize("form", ["relu_", "inplace_kwarg", "write_base_after", "write_reshape_after"])
+def test_make_contiguous_keeps_writes_visible(form, front_end):
+    model = ViewWrittenInPlace(form)
+    x = torch.randn(4, 4 if form in ("relu_", "inplace_kwarg") else 8)
+    cap, _ = rewrite(model, (x,), "make_contiguous", front_end=front_end)
+    _same_no_grad(model, cap, (x,))
+
+
+class LinearThenView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(100, 200)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y.view(-1), y
+
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+def test_pad_output_keeps_its_layout(front_end):
+    # the narrowed N columns of the padded product were a strided view: .view() raised, and the
+    # output came back non-contiguous (a caller's .view() raised too)
+    model, x = LinearThenView(), torch.randn(4, 3, 100)
+    cap, sites = rewrite(model, (x,), "pad_to_alignment", front_end=front_end)
+    assert len(sites) == 1
+    got = _same_no_grad(model, cap, (x,))
+    assert got[1].is_contiguous()
+
+
+class TwoLinearsInputWritten(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(100, 200), nn.Linear(100, 200)
+
+    def forward(self, x):
+        y = x * 1
+        o1 = self.a(y)
+        y.add_(1)
+        return o1, self.b(y)
+
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+def test_pad_does_not_share_a_padded_input_across_a_write(front_end):
+    model, x = TwoLinearsInputWritten(), torch.randn(3, 100)
+    cap, sites = rewrite(model, (x,), "pad_to_alignment", front_end=front_end)
+    assert len(sites) == 2
+    _same_no_grad(model, cap, (x,))
+
+
+class BroadcastBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(200, 100))
+        self.b1, self.b0 = nn.Parameter(torch.randn(1)), nn.Parameter(torch.randn(()))
+
+    def forward(self, x):
+        return F.linear(x, self.w, self.b1), F.linear(x, self.w, self.b0)
+
+
+class ByKeyword(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.w = nn.Parameter(torch.randn(200, 100) if kind == "linear" else torch.randn(4, 3, 3, 3))
+
+    def forward(self, x):
+        if self.kind == "linear":
+            return F.linear(input=x, weight=self.w)
+        return F.conv2d(input=x, weight=self.w)
+
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+def test_pad_linear_with_a_broadcast_bias(front_end):
+    # a (1,) or 0-d bias broadcasts over N; padded by N's padding it no longer did (raised)
+    model, x = BroadcastBias(), torch.randn(3, 100)
+    cap, _ = rewrite(model, (x,), "pad_to_alignment", front_end=front_end)
+    _same_no_grad(model, cap, (x,))
+
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+@pytest.mark.parametrize("kind,pass_name,x", [("linear", "pad_to_alignment", (3, 100)),
+                                              ("conv", "to_channels_last", (2, 3, 8, 8))])
+def test_gemm_and_conv_inputs_given_by_keyword(kind, pass_name, x, front_end):
+    model, x = ByKeyword(kind), torch.randn(*x)
+    cap, _ = rewrite(model, (x,), pass_name, front_end=front_end)  # raised IndexError
+    _same_no_grad(model, cap, (x,))
+
+
+class ConvThenView(nn.Module):
+    """The classic CNN head: a conv output flattened with .view(), and sliced outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 8, 3)
+        self.fc = nn.Linear(8 * 6 * 6, 2)
+
+    def forward(self, x):
+        h = F.relu(self.c(x))
+        return self.fc(h.view(h.size(0), -1)), h[0], h.unsqueeze(1)
+
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+def test_channels_last_output_viewed_or_sliced(front_end):
+    model, x = ConvThenView(), torch.randn(2, 3, 8, 8)
+    cap, sites = rewrite(model, (x,), "to_channels_last", front_end=front_end)  # .view raised
+    assert len(sites) == 1
+    got = _same_no_grad(model, cap, (x,))
+    assert got[1].is_contiguous() and got[2].is_contiguous()  # as the model returns them
+
+
+class ConvInputWritten(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        h = x * 2
+        h.add_(1)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+def test_channels_last_converts_after_in_place_writes(front_end):
+    model, x = ConvInputWritten(), torch.randn(2, 3, 8, 8)
+    cap, sites = rewrite(model, (x,), "to_channels_last", front_end=front_end)
+    assert len(sites) == 1
+    _same_no_grad(model, cap, (x,))
+
+
+class PositionsClampedInPlace(nn.Module):
+    def forward(self, x):
+        pos = torch.arange(x.size(1)) + 1
+        torch.clamp_(pos, min=5)           # an in-place function, not a method
+        return pos < 6, pos
+
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+def test_narrow_int64_declines_a_chain_written_by_an_in_place_function(front_end):
+    # the write went into the int64 copy made for the output; the comparison read the int32
+    # values unwritten
+    model, x = PositionsClampedInPlace(), torch.randn(2, 7)
+    cap, sites = rewrite(model, (x,), "narrow_int64", front_end=front_end)
+    assert sites == []
+    _same_no_grad(model, cap, (x,))
