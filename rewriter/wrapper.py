@@ -46,7 +46,8 @@ class OptimizedModel(nn.Module):
         d["_outcome"] = None
         d["_fx_by_mode"] = {}
         d["_hooks_seen"] = None  # [modules, their hooks, hook counter] when the rewrites were decided
-        d["_compiled"] = None  # compile(): the backend, and what runs instead of the original
+        # compile(): {"original" or "dynamo": the compiled runner} or {"fx": the backend}
+        d["_compiled"] = None
         d["report"] = None
         d["training"] = model.training
 
@@ -192,7 +193,7 @@ class OptimizedModel(nn.Module):
 
 
 def _hooks_of(modules: list[nn.Module]) -> tuple:
-    """Which hooks each module has, as comparable handles (cheap enough to check per call)."""
+    """Which hooks each module has, as comparable handle ids."""
     return tuple((tuple(m._forward_pre_hooks), tuple(m._forward_hooks), tuple(m._backward_hooks),
                   tuple(getattr(m, "_backward_pre_hooks", ()))) for m in modules)
 
