@@ -164,6 +164,19 @@ def test_transformers_causal_masks_and_grouped_kv_are_recognised():
     assert d.sites and not any("causal" in s for s in d.sites)  # padding: a real mask stays
 
 
+def _assert_loss_and_grads_match(got, model, inputs):
+    """``got``, a loss computed with ``model``'s parameters, and its gradients match the
+    original model's own."""
+    got.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    want = model(**inputs).loss
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
 def test_torch_compile_of_a_dynamo_captured_model_runs_the_model():
     """torch.compile(fast) on a Dynamo capture: Dynamo cannot trace into our own compiled model
     (GPT-2 hit an internal assertion), so it compiles the original code, and the result is
@@ -175,14 +188,7 @@ def test_torch_compile_of_a_dynamo_captured_model_runs_the_model():
     assert fast.report.front_end == "dynamo" and "fuse_attention" in fast.report.kept_passes
     compiled = torch.compile(fast, backend="eager")
     got = compiled(**inputs).loss
-    got.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    want = model(**inputs).loss
-    want.backward()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    _assert_loss_and_grads_match(got, model, inputs)
 
 
 class _RecordingBackend:
@@ -207,11 +213,4 @@ def test_compile_hands_the_rewritten_graphs_to_the_backend():
     got = fast(**inputs).loss
     assert backend.code and "scaled_dot_product_attention" in "\n".join(backend.code)
     assert any("compiled with" in n for n in fast.report.notes)
-    got.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    want = model(**inputs).loss
-    want.backward()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    _assert_loss_and_grads_match(got, model, inputs)
