@@ -25,8 +25,9 @@ from rewriter.gate import GateSettings, Measurement, Step, WallClock, measure
 # 5 s of pairs have run (at most 30 pairs).
 BENCH_GATE = GateSettings(warmup=2, warmup_seconds=0.5, max_warmup=10, min_pairs=10,
                           max_pairs=30, budget_seconds=5.0)
+# The quick smoke run keeps every sample (three pairs leave nothing to flag outliers against).
 QUICK_GATE = GateSettings(warmup=1, warmup_seconds=0.0, max_warmup=1, min_pairs=3, max_pairs=3,
-                          budget_seconds=0.5)
+                          budget_seconds=0.5, outlier_factor=float("inf"))
 
 MEMORY_METHOD = ("peak of the bytes allocated during one step above those live when it began "
                  "(torch.profiler memory events, via rewriter.profiling.profile_run): "

@@ -62,14 +62,16 @@ def _tensor_args(node: Node) -> list[Node]:
 
 class CastToHalf(Pass):
     name = "cast_to_half"
+    scope = "step"  # the precision of the whole graph: measured on the whole step
+    sets_precision = True
     contract = "reduced"
     devices = frozenset({"cpu", "cuda", "npu"})
 
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
         if ctx.dtype not in ctx.backend.amp_dtypes:
             return []  # e.g. fp16 on a CPU: no fast half GEMMs to gain
-        if any(_floating(n) and tensor_info(n).dtype != torch.float32 for n in gm.graph.nodes
-               if n.op == "placeholder"):
+        if not ctx.region and any(_floating(n) and tensor_info(n).dtype != torch.float32
+                                  for n in gm.graph.nodes if n.op == "placeholder"):
             return []  # already mixed or half: leave the user's choice alone
         sites = []
         for node in gm.graph.nodes:

@@ -86,6 +86,7 @@ def can_convert(conv: Node) -> str | None:
 
 class ToChannelsLast(Pass):
     name = "to_channels_last"
+    scope = "step"  # no local region: measured on the whole step
     contract = "exact"
     devices = frozenset({"cpu", "cuda"})
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -14,7 +15,8 @@ from rewriter.backends import Backend, get_backend
 from rewriter.gate import Clock, GateSettings
 from rewriter.job import Job, model_device, split_inputs
 from rewriter.pass_api import Pass, PassContext, resolve_passes
-from rewriter.pipeline import Outcome, Settings, run_pipeline
+from rewriter.knowledge import KnowledgeBase
+from rewriter.pipeline import DEFAULT_TIME_BUDGET, Outcome, Settings, run_pipeline
 from rewriter.report import Report
 from rewriter.wrapper import OptimizedModel
 
@@ -31,9 +33,11 @@ def optimize(
     passes: Sequence[str | Pass] | None = None,
     exclude: str | Sequence[str] = (),
     device: str | torch.device | Backend | None = None,
-    min_speedup: float = 1.03,
+    min_speedup: float = 1.05,
     plan: str | dict | None = None,
     cache_dir: str | None = None,
+    knowledge_base: str | os.PathLike | bool | None = None,
+    time_budget: float | None = DEFAULT_TIME_BUDGET,
     front_end: str = "auto",
     profile: bool = True,
     progress: bool = True,
@@ -66,10 +70,16 @@ def optimize(
         passes: names of registered passes or Pass objects to try, in order (default: all).
         exclude: names of passes not to try.
         device: "cpu", "cuda", "npu" or a Backend; default: where the model's parameters are.
-        min_speedup: a rewrite must be at least this much faster (ratio) to be kept.
+        min_speedup: the margin: a rewrite is kept when its region (or, for passes without a
+            local region, the whole step) is at least this much faster and clear of the noise.
         plan: a plan (path or dict, from ``report.save``) to replay without measuring.
         cache_dir: a decision cache: a plan made for the same graphs, input shapes, device,
             versions and passes is replayed from here instead of measuring again.
+        knowledge_base: where region decisions are kept per signature and reused across runs
+            and models: a JSON file or a directory; None/True: ``$REWRITER_KNOWLEDGE_BASE``,
+            else ``~/.cache/rewriter/knowledge_base.json``; False: not kept.
+        time_budget: seconds optimize() may spend deciding (profiling aside); what it did not
+            reach is reported as not reached, never kept unmeasured. None: no bound.
         front_end: "auto" (symbolic_trace when it captures the whole model, else Dynamo),
             "fx" or "dynamo".
         profile: profile the step before and after once, for the report's operator tables.
@@ -94,6 +104,11 @@ def optimize(
         raise ValueError(f"min_speedup must be a number >= 1.0, got {min_speedup!r}")
     if front_end not in ("auto", "fx", "dynamo"):
         raise ValueError(f"front_end must be 'auto', 'fx' or 'dynamo', got {front_end!r}")
+    if time_budget is not None and not (isinstance(time_budget, (int, float)) and time_budget > 0):
+        raise ValueError(f"time_budget must be a positive number of seconds or None, got {time_budget!r}")
+    if not (knowledge_base is None or isinstance(knowledge_base, (bool, str, os.PathLike))):
+        raise TypeError("knowledge_base must be a path, True, False or None, got "
+                        f"{type(knowledge_base).__name__}")
     if gate is not None and not isinstance(gate, GateSettings):
         raise TypeError(f"gate must be a rewriter.GateSettings, got {type(gate).__name__}")
     if clock is not None and not callable(getattr(clock, "time", None)):
@@ -107,7 +122,9 @@ def optimize(
         _check_optimizer_params(model, optimizer)
     settings = Settings(min_speedup=float(min_speedup), front_end=front_end,
                         gate=gate or GateSettings(), clock=clock, profile=profile, plan=plan,
-                        replace_optimizer=example_inputs is not None, cache_dir=cache_dir)
+                        replace_optimizer=example_inputs is not None, cache_dir=cache_dir,
+                        time_budget=float(time_budget) if time_budget is not None else None,
+                        knowledge_base=KnowledgeBase.at(knowledge_base))
 
     def run(args: tuple, kwargs: dict) -> Outcome:
         _check_input_devices(model, args, kwargs)

@@ -13,6 +13,7 @@ so the gate measures the *whole* step with and without a rewrite and nothing rec
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from dataclasses import dataclass
@@ -44,25 +45,42 @@ class Switch:
 
 
 class GraphSlot:
-    """One captured graph: the original, the kept rewrite of it, and a candidate under test."""
+    """One captured graph: the original, the kept rewrite of it, and a candidate under test.
+
+    ``overlay`` (the precision pass, once kept) is applied on top of whatever runs: the slot
+    runs ``overlay(kept)``, or ``overlay(candidate)`` while a candidate is measured, so every
+    later decision is measured in the precision the model will run in. ``recorder``, when set,
+    records boundary values in the next run of the kept graph (rewriter.record).
+    """
 
     def __init__(self, gm: GraphModule, switch: Switch, name: str) -> None:
         self.original = gm
         self.kept = gm
+        self.kept_run = gm  # overlay(kept): what the optimized model runs
         self.candidate: GraphModule | None = None
-        self.compiled: Callable[..., Any] | None = None  # the kept graph, compiled (wrapper.compile)
+        self.candidate_run: GraphModule | None = None
+        self.compiled: Callable[..., Any] | None = None  # kept_run, compiled (wrapper.compile)
+        self.overlay: Callable[[GraphModule], GraphModule] | None = None
+        self.recorder: Any = None
         self.switch = switch
         self.name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.switch.use_candidate and self.candidate is not None:
-            gm = self.candidate
+        if self.switch.use_candidate and self.candidate_run is not None:
+            gm = self.candidate_run
+        elif self.recorder is not None:
+            recorder, self.recorder = self.recorder, None
+            with dropout_disabled() if self.switch.deterministic else contextlib.nullcontext():
+                return recorder.run(self.kept_run, args, kwargs)
         else:
-            gm = self.compiled if self.compiled is not None else self.kept
+            gm = self.compiled if self.compiled is not None else self.kept_run
         if self.switch.deterministic:
             with dropout_disabled():
                 return gm(*args, **kwargs)
         return gm(*args, **kwargs)
+
+    def _run_form(self, gm: GraphModule) -> GraphModule:
+        return self.overlay(gm) if self.overlay is not None else gm
 
     def try_pass(self, p: Pass, ctx: PassContext) -> list[Site]:
         """Build a candidate with ``p`` applied to the kept graph; return the sites it rewrote."""
@@ -70,21 +88,39 @@ class GraphSlot:
         sites = p.find(gm, ctx)
         if sites:
             p.apply(gm, sites, ctx)
-            gm.graph.lint()
-            gm.recompile()
-            fill_missing_info(gm)  # later passes read the facts of the nodes this one made
-            self.candidate = gm
+            finish_rewrite(gm)
+            self.set_candidate(gm)
         else:
-            self.candidate = None
+            self.set_candidate(None)
         return sites
+
+    def set_candidate(self, gm: GraphModule | None) -> None:
+        self.candidate = gm
+        self.candidate_run = self._run_form(gm) if gm is not None else None
+
+    def set_kept(self, gm: GraphModule) -> None:
+        self.kept = gm
+        self.kept_run = self._run_form(gm)
+        self.candidate = self.candidate_run = None
+
+    def set_overlay(self, overlay: Callable[[GraphModule], GraphModule] | None) -> None:
+        self.overlay = overlay
+        self.kept_run = self._run_form(self.kept)
 
     def accept(self) -> None:
         if self.candidate is not None:
-            self.kept = self.candidate
-        self.candidate = None
+            self.kept, self.kept_run = self.candidate, self.candidate_run or self.candidate
+        self.candidate = self.candidate_run = None
 
     def reject(self) -> None:
-        self.candidate = None
+        self.candidate = self.candidate_run = None
+
+
+def finish_rewrite(gm: GraphModule) -> None:
+    """After a pass changed ``gm``: check it, regenerate its code, give new nodes their facts."""
+    gm.graph.lint()
+    gm.recompile()
+    fill_missing_info(gm)  # later passes read the facts of the nodes this one made
 
 
 class Capture:
@@ -102,8 +138,8 @@ class Capture:
         raise NotImplementedError
 
     def graph_code(self) -> dict[str, str]:
-        """Python code of each kept graph, by slot name."""
-        return {s.name: s.kept.code for s in self.slots}
+        """Python code of each graph as it runs, by slot name."""
+        return {s.name: s.kept_run.code for s in self.slots}
 
 
 class FxCapture(Capture):
@@ -167,7 +203,7 @@ class DynamoCapture(Capture):
         if self.on_new_graph is not None:
             self.on_new_graph(slot)
         if self.then_compile is not None:
-            return self.then_compile(slot.kept, example_inputs)
+            return self.then_compile(slot.kept_run, example_inputs)
         return slot
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,18 +1,25 @@
-"""The gate: measure two variants of the step side by side and decide whether to keep one.
+"""The gate: measure two variants side by side and decide whether to keep one.
 
 Baseline and candidate run interleaved in one process after a warm-up, in alternating order
 (A B, B A, A B, ...) so drift in clock speed or cache state hits both alike. The decision reads
 the median of the paired ratios ``t_baseline / t_candidate`` and its noise, the standard error of
 that median estimated from the ratios' spread (1.4826 * MAD, times 1.2533 / sqrt(n))::
 
-    m = measure(baseline, candidate, clock=WallClock(backend), settings=GateSettings())
-    keep, reason = decide(m, min_speedup=1.03)
+    m = measure(baseline, candidate, clock=WallClock(backend.synchronize), settings=GateSettings())
+    keep, reason = decide(m, min_speedup=1.05)
 
 A candidate is kept only when its speedup is at least ``min_speedup`` and the speedup less two
 noise widths is still above 1: a result the noise could explain is no result.
 
-Unit tests replace :class:`WallClock` by a clock that returns controlled times (see
-``tests/controlled.py``); real timings belong in benchmarks.
+A busy machine: load from other processes only ever makes a sample slower, so a sample far
+above the fastest of its own variant (``outlier_factor`` times it) is flagged and left out of
+the statistics. When more than ``max_flagged`` of the pairs are flagged, the comparison is
+measured again once; flagged again, it is "inconclusive: the machine was busy", never a keep.
+
+The variants are whole steps (``scope="step"``) or one site's region (``scope="region"``,
+repeated ``reps`` times per sample so a sample is well above the timer's resolution).
+Unit tests replace the clock by one that returns controlled times (``tests/controlled.py``);
+real timings belong in benchmarks.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +40,8 @@ class Step:
     run: Callable[[], None]
     passes: tuple[str, ...]
     label: str
+    scope: str = "step"  # "step" (the user's whole step), "region" (one site's region), "optimizer"
+    reps: int = 1        # runs of the region per sample
 
 
 class Clock(Protocol):
@@ -41,7 +50,7 @@ class Clock(Protocol):
 
 
 class WallClock:
-    """Host clock around a device-synchronised step."""
+    """Host clock around a device-synchronised step (seconds per run of the region or step)."""
 
     def __init__(self, synchronize: Callable[[], None] = lambda: None) -> None:
         self.synchronize = synchronize
@@ -52,6 +61,32 @@ class WallClock:
         step.run()
         self.synchronize()
         return time.perf_counter() - start
+
+
+class EventClock:
+    """Device-side timer: events recorded on the device's stream around the step (CUDA events,
+    or torch_npu's ``torch.npu.Event``), so host-side jitter does not enter the sample."""
+
+    def __init__(self, device_module: Any) -> None:
+        self.device = device_module
+
+    def time(self, step: Step) -> float:
+        start = self.device.Event(enable_timing=True)
+        end = self.device.Event(enable_timing=True)
+        start.record()
+        step.run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def device_clock(backend: Any) -> Clock:
+    """The best clock the backend has: device events on CUDA and NPU, else the host clock."""
+    import torch
+    module = {"cuda": getattr(torch, "cuda", None), "npu": getattr(torch, "npu", None)}.get(backend.name)
+    if module is not None and hasattr(module, "Event"):
+        return EventClock(module)
+    return WallClock(backend.synchronize)
 
 
 @dataclass(frozen=True)
@@ -65,16 +100,46 @@ class GateSettings:
     max_pairs: int = 40
     budget_seconds: float = 4.0
     noise_widths: float = 2.0
+    region_sample_seconds: float = 0.003  # a region sample repeats the region this long
+    outlier_factor: float = 1.5  # a sample this many times its variant's fastest is flagged
+    max_flagged: float = 0.25    # more flagged pairs than this: measure again, then inconclusive
+    regression: float = 0.98     # the step check reverts only below this ratio (and the noise)
 
 
 @dataclass
 class Measurement:
     baseline_times: list[float] = field(default_factory=list)
     candidate_times: list[float] = field(default_factory=list)
+    outlier_factor: float = math.inf
+    reps: int = 1
+    remeasured: bool = False  # the first try had too many flagged samples
+    busy: bool = False        # so had the second: no conclusion
+    fastest: tuple[float, float] | None = None  # (baseline, candidate) seen in an earlier try
+
+    @property
+    def flagged(self) -> list[bool]:
+        """Per pair: a sample of it far above its own variant's fastest."""
+        if not self.baseline_times:
+            return []
+        lo_a, lo_b = min(self.baseline_times), min(self.candidate_times)
+        if self.fastest is not None:
+            lo_a, lo_b = min(lo_a, self.fastest[0]), min(lo_b, self.fastest[1])
+        f = self.outlier_factor
+        return [a > f * lo_a or b > f * lo_b
+                for a, b in zip(self.baseline_times, self.candidate_times)]
+
+    @property
+    def flagged_fraction(self) -> float:
+        flags = self.flagged
+        return sum(flags) / len(flags) if flags else 0.0
+
+    def _good(self) -> list[tuple[float, float]]:
+        return [(a, b) for (a, b), bad in zip(zip(self.baseline_times, self.candidate_times),
+                                              self.flagged) if not bad and b > 0]
 
     @property
     def ratios(self) -> list[float]:
-        return [a / b for a, b in zip(self.baseline_times, self.candidate_times) if b > 0]
+        return [a / b for a, b in self._good()]
 
     @property
     def pairs(self) -> int:
@@ -96,15 +161,25 @@ class Measurement:
 
     @property
     def baseline_ms(self) -> float:
-        return 1e3 * statistics.median(self.baseline_times) if self.baseline_times else math.nan
+        """Median time of one run of the baseline (a region sample divided by its repeats)."""
+        good = self._good()
+        return 1e3 * statistics.median(a for a, _ in good) / self.reps if good else math.nan
 
     @property
     def candidate_ms(self) -> float:
-        return 1e3 * statistics.median(self.candidate_times) if self.candidate_times else math.nan
+        """The baseline's time divided by the speedup, so the two figures always agree."""
+        s = self.speedup
+        return self.baseline_ms / s if s and math.isfinite(s) else math.nan
+
+    @property
+    def saved_ms(self) -> float:
+        return self.baseline_ms - self.candidate_ms
 
     def to_dict(self) -> dict:
         return {"speedup": _finite(self.speedup), "noise": _finite(self.noise), "pairs": self.pairs,
-                "baseline_ms": _finite(self.baseline_ms), "candidate_ms": _finite(self.candidate_ms)}
+                "baseline_ms": _finite(self.baseline_ms), "candidate_ms": _finite(self.candidate_ms),
+                "flagged": sum(self.flagged), "reps": self.reps, "remeasured": self.remeasured,
+                "busy": self.busy}
 
 
 def _finite(x: float) -> float | None:
@@ -118,15 +193,33 @@ def _conclusive(m: Measurement, min_speedup: float, widths: float) -> bool:
 
 
 def measure(baseline: Step, candidate: Step, *, clock: Clock, settings: GateSettings,
-            min_speedup: float = 1.0) -> Measurement:
-    """Interleaved A/B timing of two steps; stops early once the result is conclusive."""
+            min_speedup: float = 1.0, deadline: float | None = None) -> Measurement:
+    """Interleaved A/B timing of two variants; stops early once the result is conclusive, at
+    the settings' budget, or at ``deadline`` (a ``time.perf_counter()`` value), after
+    ``min_pairs`` in any case. Too many flagged samples: measured once more (see the module)."""
     warm_start = time.perf_counter()
     for i in range(max(settings.warmup, settings.max_warmup)):
         if i >= settings.warmup and time.perf_counter() - warm_start >= settings.warmup_seconds:
             break
         baseline.run()
         candidate.run()
-    m = Measurement()
+    m = _pairs(baseline, candidate, clock, settings, min_speedup, deadline)
+    if m.flagged_fraction > settings.max_flagged:
+        log.info("rewriter: %s vs %s: %d of %d samples far above their variant's fastest (a busy "
+                 "machine?); measuring again", baseline.label, candidate.label, sum(m.flagged),
+                 len(m.flagged))
+        fastest = (min(m.baseline_times), min(m.candidate_times))
+        m = _pairs(baseline, candidate, clock, settings, min_speedup, deadline, fastest)
+        m.remeasured = True
+        m.busy = m.flagged_fraction > settings.max_flagged
+    return m
+
+
+def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings,
+           min_speedup: float, deadline: float | None,
+           fastest: tuple[float, float] | None = None) -> Measurement:
+    m = Measurement(outlier_factor=settings.outlier_factor, reps=max(baseline.reps, 1),
+                    fastest=fastest)
     started = time.perf_counter()
     for i in range(settings.max_pairs):
         first, second = (baseline, candidate) if i % 2 == 0 else (candidate, baseline)
@@ -135,22 +228,52 @@ def measure(baseline: Step, candidate: Step, *, clock: Clock, settings: GateSett
         m.baseline_times.append(a)
         m.candidate_times.append(b)
         if i + 1 >= settings.min_pairs and (
-                _conclusive(m, min_speedup, settings.noise_widths)
-                or time.perf_counter() - started > settings.budget_seconds):
+                (m.flagged_fraction <= settings.max_flagged
+                 and _conclusive(m, min_speedup, settings.noise_widths))
+                or time.perf_counter() - started > settings.budget_seconds
+                or (deadline is not None and time.perf_counter() > deadline)):
             break
     return m
 
 
+def figure(m: Measurement) -> str:
+    """The measurement in words; the two times agree with the ratio by construction."""
+    flagged = sum(m.flagged)
+    extra = f", {flagged} flagged sample(s) left out" if flagged else ""
+    return _figure(m.speedup, m.noise, m.pairs, m.baseline_ms, m.candidate_ms, extra)
+
+
+def _figure(s: float, n: float, pairs: int, base_ms: float | None, cand_ms: float | None,
+            extra: str = "") -> str:
+    times = (f" ({base_ms:.3f} ms -> {cand_ms:.3f} ms)"
+             if base_ms is not None and cand_ms is not None else "")
+    return f"{s:.3f}x ±{n:.3f} over {pairs} pairs{extra}{times}"
+
+
 def decide(m: Measurement, min_speedup: float, noise_widths: float = 2.0) -> tuple[bool, str]:
     """Keep or not, and the reason in words."""
-    s, n = m.speedup, m.noise
-    figure = f"{s:.3f}x ±{n:.3f} over {m.pairs} pairs ({m.baseline_ms:.2f} ms -> {m.candidate_ms:.2f} ms)"
-    if not math.isfinite(s):
+    if m.busy:
+        return False, (f"inconclusive: the machine was busy ({sum(m.flagged)} of {len(m.flagged)} "
+                       f"samples over {m.outlier_factor:g}x their variant's fastest, measured twice)")
+    if not math.isfinite(m.speedup) or m.pairs < 2:
         return False, "no measurement"
+    return _verdict(m.speedup, m.noise, min_speedup, noise_widths, figure(m))
+
+
+def verdict(speedup: float, noise: float, pairs: int, min_speedup: float, noise_widths: float,
+            baseline_ms: float | None = None, candidate_ms: float | None = None) -> tuple[bool, str]:
+    """:func:`decide` for stored figures (the knowledge base), under today's margin."""
+    if speedup is None or noise is None or not math.isfinite(speedup) or pairs < 2:
+        return False, "no measurement"
+    return _verdict(speedup, noise, min_speedup, noise_widths,
+                    _figure(speedup, noise, pairs, baseline_ms, candidate_ms))
+
+
+def _verdict(s: float, n: float, min_speedup: float, noise_widths: float, text: str) -> tuple[bool, str]:
     if s < 1.0:
-        return False, f"slower: {figure}"
+        return False, f"slower: {text}"
     if s < min_speedup:
-        return False, f"below min_speedup {min_speedup:g}: {figure}"
+        return False, f"below min_speedup {min_speedup:g}: {text}"
     if s - noise_widths * n <= 1.0:
-        return False, f"within noise: {figure}"
-    return True, f"faster: {figure}"
+        return False, f"within noise: {text}"
+    return True, f"faster: {text}"

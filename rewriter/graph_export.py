@@ -66,7 +66,7 @@ def write_graph_code(fast: nn.Module, directory: str | os.PathLike) -> ExportRes
     training = bool(getattr(capture, "training", original.training))
     # When the whole-model check rejected the rewrites, the slots still hold them: the graphs
     # as captured are what describes the model that runs.
-    graphs = [(s.name, s.kept if kept else s.original) for s in capture.slots]
+    graphs = [(s.name, s.kept_run if kept else s.original) for s in capture.slots]
     if capture.front_end == "fx":
         gm = graphs[0][1]
         path = os.path.join(directory, MODULE_FILE)

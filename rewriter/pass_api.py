@@ -6,6 +6,7 @@ A pass finds sites in one captured graph and rewrites them; it never measures (t
         name = "fuse_thing"
         contract = "exact"                      # or "reduced": only with optimize(dtype=...)
         devices = frozenset({"cpu", "cuda", "npu"})
+        scope = "site"                          # or "step": no local region to measure
 
         def find(self, gm, ctx):                # cheap safety checks only
             return [Site(node, "thing at " + node.name) for node in ... if can_fuse(node)]
@@ -45,6 +46,7 @@ class PassContext:
     backend: "Backend"
     training: bool
     dtype: torch.dtype | None = None
+    region: bool = False  # finding in a standalone region graph (its inputs may be half already)
 
 
 class Pass:
@@ -54,6 +56,13 @@ class Pass:
     contract: ClassVar[Contract] = "exact"
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda", "npu"})
     version: ClassVar[int] = 1
+    # "site": each site's region is measured on its own (rewriter.region); "step": the rewrite
+    # has no local region (precision of a whole graph, layouts across a network, long dtype
+    # chains) and is measured on the whole step.
+    scope: ClassVar[str] = "site"
+    # Decides the precision everything else runs in: tried first, then applied on top of every
+    # variant measured after it (rewriter.pipeline), so fusions are measured in that dtype.
+    sets_precision: ClassVar[bool] = False
 
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
         raise NotImplementedError(f"{type(self).__name__}.find")

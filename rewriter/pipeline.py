@@ -1,19 +1,29 @@
-"""The optimize loop: capture, then for each pass apply ▶ verify ▶ measure ▶ keep|revert.
+"""The optimize run: capture ▶ sites ▶ record ▶ verify ▶ measure per signature ▶ keep|revert ▶
+confirm once on the step ▶ plan and report. One object owns the job from start to end::
 
-A plain loop over passes in a fixed order, greedy: each candidate is measured against the
-current kept state. At the end the whole optimized model is measured once more against the
-original; if it is not faster, the original model is what runs. Everything happens inside
+    outcome = Run(job, passes, settings).execute()
+
+Each pass is tried against what was kept before it (greedy, in order; a precision pass first,
+then applied on top of every later variant). A pass of scope "site" is decided per region
+signature: the sites are cut out of the graph (rewriter.region), fed the values recorded in
+one run of the model (rewriter.record), verified and timed on their own (rewriter.site_gate),
+and identical sites are measured once, or not at all when the knowledge base already knows
+the signature. A pass of scope "step" and the fused optimizer are measured on the whole step
+(the optimizer on its own step). At the end the composed model is verified once and timed
+once against the original (rewriter.confirm). Everything happens inside
 :func:`rewriter.state.preserved_state`, so the user's model, optimizer and RNG come out as
 they went in, also when a pass raises or the user interrupts.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -21,31 +31,34 @@ from rewriter import amp, optimizers
 from rewriter import plan as plans
 from rewriter.advisor import advise
 from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot, capture
+from rewriter.confirm import Confirmation, KeptUnit
 from rewriter.errors import CaptureError, PlanError
-from rewriter.gate import Clock, GateSettings, Step, WallClock, decide, measure
+from rewriter.gate import Clock, GateSettings, Step, decide, device_clock, measure, verdict
 from rewriter.ir import structure_signature
-from rewriter.job import Job, switched
+from rewriter.job import VERIFY_SEED, Job, switched
+from rewriter.kept import KeptPass, apply_sites, build, mode_of, overlay_for
+from rewriter.knowledge import KnowledgeBase, entry_key
+from rewriter.optimizer_gate import gate_optimizer
 from rewriter.pass_api import Pass, PassContext, registered_passes
 from rewriter.profiling import ProfileSettings, compare, profile_run
+from rewriter.record import Recorder, Recorded
+from rewriter.reference import Reference
+from rewriter.region import Region, dtype_of_region, find_regions
 from rewriter.report import Decision, Report
+from rewriter.site_gate import measure_region, verify_region
 from rewriter.state import preserved_state
-from rewriter.verify import (
-    AUTOCAST_FACTOR,
-    FLOAT64_FACTOR,
-    Tolerance,
-    Yardstick,
-    compare_runs,
-    tolerance_for,
-)
+from rewriter.verify import Comparison, compare_runs, tolerance_for
 
 log = logging.getLogger("rewriter.progress")
+
+DEFAULT_TIME_BUDGET = 60.0
 
 
 @dataclass
 class Settings:
     """How optimize() measures and decides (the keyword options of optimize())."""
 
-    min_speedup: float = 1.03
+    min_speedup: float = 1.05  # the region margin (and the bar for whole-step decisions)
     front_end: str = "auto"
     gate: GateSettings = field(default_factory=GateSettings)
     clock: Clock | None = None
@@ -54,265 +67,625 @@ class Settings:
     replace_optimizer: bool = True  # False when optimize() already handed the optimizer back
     cache_dir: str | None = None  # decision cache: plans by fingerprint
     strict_plan: bool = False  # a plan that does not fit is an error (other ranks follow rank 0)
+    time_budget: float | None = DEFAULT_TIME_BUDGET  # seconds for deciding (profiling aside)
+    knowledge_base: KnowledgeBase = field(default_factory=lambda: KnowledgeBase(None))
 
 
 @dataclass
 class Outcome:
-    """What the wrapper needs after the loop: how to run the optimized model, and the report."""
+    """What the wrapper needs after the run: how to run the optimized model, and the report."""
 
     report: Report
     capture: Capture | None
-    kept: list[Pass]
+    kept: list[KeptPass]
     use_original: bool
     context: PassContext
     optimizer: torch.optim.Optimizer | None = None  # what optimize() returns beside the model
     loss_scale: amp.DynamicLossScale | None = None  # fp16 training: scales gradients from outputs
 
+    def fall_back_to_original(self, reason: str) -> None:
+        """From now on the original model runs (e.g. hooks changed after optimize())."""
+        self.use_original = True
+        self.report.notes.append(reason)
+
 
 def run_pipeline(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
-    started = time.perf_counter()
-    report = Report(model=type(job.model).__name__, device=job.backend.name, mode=job.mode,
-                    dtype=str(job.dtype).replace("torch.", "") if job.dtype else None)
-    clock = settings.clock or WallClock(job.backend.synchronize)
-    ctx = PassContext(job.backend, job.training, job.dtype)
-    kept: list[Pass] = []
-    with preserved_state(job.model, job.optimizer, job.backend.rng_states()) as snapshot:
-        reference = Reference(job, snapshot)
-        try:
-            cap = _checked_capture(job, settings.front_end, reference, report)
-        except CaptureError as e:
-            report.front_end_reason = str(e)
-            report.final = {"kept": False, "reason": f"capture failed: {e}"}
-            report.plan = plans.make_plan({}, [], [])
-            log.warning("rewriter: %s; the original model will run", e)
-            report.optimize_seconds = time.perf_counter() - started
-            return Outcome(report, None, [], True, ctx, job.optimizer)
-        snapshot.restore()
-        if isinstance(cap, DynamoCapture):
-            cap.on_new_graph = lambda slot: replay_on_slot(slot, kept, ctx)
-        fingerprint = _fingerprint(job, cap, passes)
-        plan = _plan_to_replay(settings.plan, fingerprint, report, settings.strict_plan)
-        if plan is None and settings.cache_dir is not None:
-            plan = plans.cached_plan(settings.cache_dir, fingerprint)
+    return Run(job, passes, settings).execute()
+
+
+class Run:
+    """One optimize() job: owns the capture, the reference numerics, the state snapshot, the
+    kept decisions and the report."""
+
+    def __init__(self, job: Job, passes: list[Pass], settings: Settings) -> None:
+        self.job, self.passes, self.settings = job, passes, settings
+        self.report = Report(model=type(job.model).__name__, device=job.backend.name, mode=job.mode,
+                             dtype=str(job.dtype).replace("torch.", "") if job.dtype else None)
+        self.clock = settings.clock or device_clock(job.backend)
+        self.ctx = PassContext(job.backend, job.training, job.dtype)
+        self.kept: list[KeptPass] = []
+        self.units: list[KeptUnit] = []  # each kept decision, for the confirmation's ablation
+        self.fused_opt: optimizers.OptimizerCandidate | None = None
+        self.cap: Capture | None = None
+        self.started = time.perf_counter()
+        self.deadline = (self.started + settings.time_budget) if settings.time_budget else None
+        self.step_seconds = 0.0
+
+    # --- the flow ----------------------------------------------------------------------------
+    def execute(self) -> Outcome:
+        job = self.job
+        use_original = False
+        with preserved_state(job.model, job.optimizer, job.backend.rng_states()) as snapshot:
+            self.snapshot = snapshot
+            with self._phase("reference"):
+                t0 = time.perf_counter()
+                self.reference = Reference(job, snapshot)
+                self.step_seconds = time.perf_counter() - t0
+            try:
+                with self._phase("capture"):
+                    self.cap = self._checked_capture()
+            except CaptureError as e:
+                return self._capture_failed(e)
+            snapshot.restore()
+            if isinstance(self.cap, DynamoCapture):
+                self.cap.on_new_graph = self._on_new_graph
+            fingerprint = self._fingerprint()
+            plan = self._plan_to_replay(fingerprint)
             if plan is not None:
-                report.plan_status = f"from the decision cache in {settings.cache_dir}"
-        if plan is not None:
-            kept[:] = _replay(plan, cap, job, ctx, reference, report)
-            fused_opt = _replay_optimizer(plan, job, report) if job.optimizer is not None else None
-            report.final = {"kept": bool(kept) or fused_opt is not None, "reason": "replayed plan (not measured)"}
-            use_original = False
-        else:
-            kept[:] = _try_passes(passes, cap, job, ctx, reference, clock, settings, report, snapshot)
-            fused_opt = _try_optimizer(job, clock, settings, report, snapshot)
-            use_original = not _final_check(job, cap, kept, fused_opt, clock, settings, report)
-            snapshot.restore()
-        if use_original:
-            kept[:], fused_opt = [], None
-        if settings.profile:
-            _profile(job, cap if kept else job.model, report, _fused_twin(job, fused_opt),
-                     optimized=bool(kept) or fused_opt is not None)
-            snapshot.restore()
-        report.graphs = len(cap.slots)
-        report.plan = plans.make_plan(fingerprint, [p.name for p in kept],
-                                      [d.to_dict() for d in report.decisions],
-                                      fused_opt.description if fused_opt else None)
-    if settings.cache_dir is not None and plan is None:
-        plans.cache_plan(settings.cache_dir, fingerprint, report.plan)
-    optimizer = job.optimizer
-    if fused_opt is not None:
-        optimizer = fused_opt.switch(job.optimizer)  # after the snapshot: this change stays
-        report.notes.append(f"optimizer: {fused_opt.description}")
-    loss_scale = _loss_scaling(job, kept, optimizer, report)
-    report.optimize_seconds = time.perf_counter() - started
-    log.info("rewriter: done in %.1f s: %s", report.optimize_seconds, report.final.get("reason", ""))
-    return Outcome(report, cap, list(kept), not kept, ctx, optimizer, loss_scale)
-
-
-def _loss_scaling(job: Job, kept: list[Pass], optimizer: torch.optim.Optimizer | None,
-                  report: Report) -> amp.DynamicLossScale | None:
-    """fp16 training with half-precision GEMMs kept: dynamic loss scaling, the loop unchanged."""
-    if not (job.training and job.dtype == torch.float16 and any(p.name == "cast_to_half" for p in kept)):
-        return None
-    if optimizer is None:
-        report.notes.append("fp16 training without optimizer=: no loss scaling (gradients may "
-                            "underflow); pass the optimizer to optimize() to get it")
-        return None
-    scaler = amp.DynamicLossScale()
-    amp.attach_loss_scaling(optimizer, scaler)
-    report.notes.append(f"fp16 dynamic loss scaling on (initial scale {scaler.scale:g}); "
-                        "optimizer.step() skips a step whose gradients overflow")
-    return scaler
-
-
-def _try_passes(passes: list[Pass], cap: Capture, job: Job, ctx: PassContext, reference: Reference,
-                clock: Clock, settings: Settings, report: Report, snapshot: Any) -> list[Pass]:
-    """The greedy loop: each pass is measured against the rewrites kept before it."""
-    kept: list[Pass] = []
-    for i, p in enumerate(passes, 1):
-        decision = _try_pass(p, cap, job, ctx, reference, kept, clock, settings)
-        snapshot.restore()
-        report.decisions.append(decision)
-        log.info("rewriter: [%d/%d] %s: %s: %s", i, len(passes), p.name, decision.status,
-                 decision.reason)
-        if decision.kept:
-            kept.append(p)
-    return kept
-
-
-class Reference:
-    """The original model's numerics, and a yardstick run computed when first needed."""
-
-    def __init__(self, job: Job, snapshot: Any) -> None:
-        try:
-            self.values = job.numerics(job.model)
-        except Exception as e:
-            raise ValueError(f"the model cannot run on the example inputs "
-                             f"({type(e).__name__}: {e})") from e
-        snapshot.restore()
-        self._job, self._snapshot = job, snapshot
-        self._yardstick: Yardstick | None = None
-        self._tried = False
-
-    def yardstick(self) -> Yardstick | None:
-        """float64 for fp32 verification, torch.autocast for ``dtype=`` (see rewriter.verify);
-        None where that run is not possible."""
-        if not self._tried:
-            self._tried = True
-            if self._job.dtype is None:
-                values, label, factor = self._job.float64_numerics(), "float64", FLOAT64_FACTOR
+                self._replay(plan)
             else:
-                values, label, factor = self._job.autocast_numerics(), "torch.autocast", AUTOCAST_FACTOR
-            self._snapshot.restore()
-            if values is not None:
-                self._yardstick = Yardstick(label, values, factor)
-        return self._yardstick
+                self._decide()
+                use_original = not self._confirm()
+                snapshot.restore()
+            if use_original:
+                self._drop_all()
+            self.settings.knowledge_base.save()
+            if self.settings.profile:
+                with self._phase("profile"):
+                    self._profile()
+                snapshot.restore()
+            self.report.graphs = len(self.cap.slots)
+            # precision passes last: they apply on top of the rest
+            order = sorted(self.kept, key=lambda kp: kp.pass_.sets_precision)
+            self.report.plan = plans.make_plan(
+                fingerprint, [kp.name for kp in order], [d.to_dict() for d in self.report.decisions],
+                self.fused_opt.description if self.fused_opt else None,
+                kept_sites={kp.name: kp.to_dict() for kp in order})
+        if self.settings.cache_dir is not None and plan is None:
+            plans.cache_plan(self.settings.cache_dir, fingerprint, self.report.plan)
+        return self._outcome()
 
+    def _outcome(self) -> Outcome:
+        optimizer = self.job.optimizer
+        if self.fused_opt is not None:
+            optimizer = self.fused_opt.switch(self.job.optimizer)  # after the snapshot: stays
+            self.report.notes.append(f"optimizer: {self.fused_opt.description}")
+        loss_scale = self._loss_scaling(optimizer)
+        self.report.optimize_seconds = time.perf_counter() - self.started
+        log.info("rewriter: done in %.1f s: %s", self.report.optimize_seconds,
+                 self.report.final.get("reason", ""))
+        return Outcome(self.report, self.cap, list(self.kept), not self.kept, self.ctx, optimizer,
+                       loss_scale)
 
-def _checked_capture(job: Job, front_end: str, reference: Reference, report: Report) -> Capture:
-    """Capture, and check the captured model computes what the model does (else fall back)."""
-    log.info("rewriter: capturing %s (%s step)", type(job.model).__name__, job.mode)
-    cap = capture(job.model, job.args, job.kwargs, front_end)
-    if isinstance(cap, FxCapture):
-        cap.restore_output_type(job.output_type)
-    problem = _capture_mismatch(job, cap, reference)
-    if problem and cap.front_end == "fx" and front_end == "auto":
-        cap = DynamoCapture(job.model, f"symbolic_trace graph differs from the model ({problem})")
-        problem = _capture_mismatch(job, cap, reference)
-    if problem:
-        raise CaptureError(f"{cap.front_end} capture differs from the model: {problem}")
-    if not cap.slots:
-        raise CaptureError("Dynamo handed over no graph (torch._dynamo's recompile limit reached, "
-                           "or nothing in forward is capturable)")
-    if isinstance(cap, DynamoCapture):
-        _require_stable_graphs(job, cap)
-    report.front_end, report.front_end_reason = cap.front_end, cap.reason
-    report.left_as_modules = sorted(set(cap.left_as_modules))
-    log.info("rewriter: front-end %s (%s), %d graph(s)", cap.front_end, cap.reason, len(cap.slots))
-    return cap
+    def _capture_failed(self, e: CaptureError) -> Outcome:
+        self.report.front_end_reason = str(e)
+        self.report.final = {"kept": False, "reason": f"capture failed: {e}"}
+        self.report.plan = plans.make_plan({}, [], [])
+        log.warning("rewriter: %s; the original model will run", e)
+        self.report.optimize_seconds = time.perf_counter() - self.started
+        return Outcome(self.report, None, [], True, self.ctx, self.job.optimizer)
 
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            phases = self.report.phases
+            phases[name] = round(phases.get(name, 0.0) + time.perf_counter() - t0, 3)
 
-def _require_stable_graphs(job: Job, cap: DynamoCapture) -> None:
-    """A second call on the same inputs must reuse the graphs. If Dynamo compiles again, its
-    guards read Python state that changes per call (a hook counting calls, a step counter
-    attribute): past its recompile limit it runs the model eagerly, and every rewrite would be
-    kept on paper but never run."""
-    before = len(cap.slots)
-    with switched(cap.switch, deterministic=True):
-        job.numerics(cap, deterministic=contextlib.nullcontext())
-    if len(cap.slots) > before:
-        raise CaptureError("Dynamo recompiles the model at every call (its guards read Python "
-                           "state that changes per call, such as a hook that counts calls or a "
-                           "step counter attribute), so a rewrite could not stay in effect")
+    def _remaining(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
 
+    def _confirm_reserve(self) -> float:
+        """Time kept back for the confirmation: warm-up and the fewest pairs of two steps."""
+        g = self.settings.gate
+        return self.step_seconds * 2 * (g.warmup + g.min_pairs) * 1.5
 
-def _capture_mismatch(job: Job, cap: Capture, reference: Reference) -> str:
-    try:
+    def _out_of_time(self) -> bool:
+        return self._remaining() < self._confirm_reserve()
+
+    # --- deciding ----------------------------------------------------------------------------
+    def _decide(self) -> None:
+        ordered = [p for p in self.passes if p.sets_precision] + \
+                  [p for p in self.passes if not p.sets_precision]
+        for i, p in enumerate(ordered, 1):
+            if self._out_of_time():
+                d = Decision(p.name, False, "not reached",
+                             f"the time budget ({self.settings.time_budget:g} s) ran out first")
+            else:
+                d = self._try(p)
+                self.snapshot.restore()
+            self.report.decisions.append(d)
+            log.info("rewriter: [%d/%d] %s: %s: %s", i, len(ordered), p.name, d.status, d.reason)
+        if self.job.optimizer is not None:
+            if self._out_of_time():
+                d = Decision("fuse_optimizer", False, "not reached",
+                             f"the time budget ({self.settings.time_budget:g} s) ran out first", scope="step")
+            else:
+                with self._phase("measure"):
+                    d, self.fused_opt = gate_optimizer(
+                        self.job, self.clock, self.settings.gate, self.settings.min_speedup,
+                        self.settings.replace_optimizer, self.deadline)
+                self.snapshot.restore()
+                if self.fused_opt is not None:
+                    self.units.append(KeptUnit("fuse_optimizer", None, d.speedup, d.noise,
+                                               _saved(d.measurement), 1))
+            self.report.decisions.append(d)
+            log.info("rewriter: optimizer: %s: %s", d.status, d.reason)
+
+    def _try(self, p: Pass) -> Decision:
+        why_not = p.applies_to(self.ctx)
+        if why_not:
+            return Decision(p.name, False, "not applicable", why_not, scope=p.scope)
+        cap = self.cap
+        try:
+            sites = {slot.name: slot.try_pass(p, self.ctx) for slot in cap.slots}
+        except Exception as e:
+            self._reject_all()
+            return Decision(p.name, False, "raised", f"{type(e).__name__}: {e}", scope=p.scope)
+        descriptions = [s.description for found in sites.values() for s in found]
+        if not descriptions:
+            self._reject_all()
+            return Decision(p.name, False, "no sites", "no site matched", scope=p.scope)
+        log.info("rewriter: %s: %d site(s)", p.name, len(descriptions))
+        if p.scope == "site":
+            regions, why = self._regions(p, sites)
+            if regions is not None:
+                return self._try_on_regions(p, regions, descriptions)
+            return self._try_on_step(p, descriptions, note=f"measured on the whole step: {why}")
+        return self._try_on_step(p, descriptions)
+
+    def _regions(self, p: Pass, sites: dict[str, list]) -> tuple[list[tuple[GraphSlot, Region]] | None, str]:
+        found: list[tuple[GraphSlot, Region]] = []
+        for slot in self.cap.slots:
+            if slot.candidate is None:
+                continue
+            regions = find_regions(slot.kept, slot.candidate, sites[slot.name], p.name, slot.name)
+            if isinstance(regions, str):
+                return None, f"its change is not local ({regions})"
+            found += [(slot, r) for r in regions]
+        return (found, "") if found else (None, "no region")
+
+    # --- a pass decided per region signature ---------------------------------------------------
+    def _try_on_regions(self, p: Pass, regions: list[tuple[GraphSlot, Region]],
+                        descriptions: list[str]) -> Decision:
+        with self._phase("record"):
+            values = self._record(regions)
+        if values is None:
+            return self._try_on_step(p, descriptions, note="measured on the whole step: a graph "
+                                     "was not run in the recording run")
+        device, mode, precision = self.job.backend.name, mode_of(self.ctx), self._precision()
+        groups: dict[str, list[tuple[GraphSlot, Region]]] = defaultdict(list)
+        for slot, r in regions:
+            groups[r.signature(device, mode, p.version, precision)].append((slot, r))
+        overlay = overlay_for(self.kept, dataclasses.replace(self.ctx, region=True))
+        kept_sigs, rows, kept_structures, rejected_structures, rejected = set(), [], set(), set(), set()
+        worst_err = 0.0
+        for sig, members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+            row = self._decide_signature(p, sig, members, values, overlay, precision)
+            rows.append(row)
+            worst_err = max(worst_err, row.get("max_abs_error") or 0.0)
+            structure = members[0][1].structure_key
+            if row["kept"]:
+                kept_sigs.add(sig)
+                kept_structures.add(structure)
+                self.units.append(KeptUnit(p.name, sig, row.get("speedup"), row.get("noise"),
+                                           row.get("saved_ms_per_step"), len(members)))
+            else:
+                rejected_structures.add(structure)
+                rejected.add(sig)
+        self._keep_regions(p, regions, kept_sigs, device, mode, precision)
+        if kept_sigs:
+            self.kept.append(KeptPass(p, kept_sigs, kept_structures,
+                                      rejected_structures - kept_structures, rejected, precision))
+        lead = rows[0]
+        status = "kept" if kept_sigs else (lead["status"] if len(rows) == 1 else "rejected")
+        kept_sites = sum(r["sites"] for r in rows if r["kept"])
+        reason = (f"{len(kept_sigs)} of {len(rows)} signature(s) kept ({kept_sites} of "
+                  f"{len(regions)} sites); " if len(rows) > 1 else "") + \
+            f"region, {lead['sites']} site(s): {lead['reason']}"
+        return Decision(p.name, bool(kept_sigs), status, reason, speedup=lead.get("speedup"),
+                        noise=lead.get("noise"), max_abs_error=worst_err,
+                        sites=descriptions, measurement=lead.get("measurement"),
+                        verification=lead.get("verification", ""), scope="site", regions=rows)
+
+    def _precision(self) -> str | None:
+        """The dtype a kept precision pass runs everything in (None: as captured)."""
+        if any(kp.pass_.sets_precision for kp in self.kept) and self.job.dtype is not None:
+            return str(self.job.dtype).replace("torch.", "")
+        return None
+
+    def _decide_signature(self, p: Pass, sig: str, members: list[tuple[GraphSlot, Region]],
+                          values: dict[str, dict[str, Recorded]], overlay: Any,
+                          precision: str | None) -> dict:
+        first = members[0][1]
+        first_values = self._values(values, members[0][0], first)
+        row: dict[str, Any] = {"signature": sig, "sites": len(members),
+                               "example": first.label, "boundary": first.boundary, "kept": False,
+                               "ran_in": str(dtype_of_region([v.value for v in first_values])
+                                             ).replace("torch.", "")}
+        with self._phase("verify"):
+            worst = Comparison(True)
+            for slot, r in members:
+                c = verify_region(r, self._values(values, slot, r), self.job.training,
+                                  self._forms(r, overlay))
+                if not c.ok and not self._whole_model_agrees(p):
+                    row.update(status="failed verification", max_abs_error=None,
+                               reason=f"at {r.label}: {c.problem}")
+                    return row
+                if not c.ok:
+                    # A boundary gradient the model's own Jacobian hides (a different
+                    # subgradient at a kink, where the upstream op passes zero): the whole
+                    # model with the rewrite in agrees with the original.
+                    c = Comparison(True, self._agrees_for[2], note=f"at the region boundary "
+                                   f"beyond the bound ({c.problem}), but the whole model agrees")
+                if c.max_abs_error >= worst.max_abs_error:
+                    worst = c
+        row.update(max_abs_error=worst.max_abs_error, verification=worst.describe())
+        key = entry_key(first.signature_text(self.job.backend.name, mode_of(self.ctx), p.version,
+                                             precision), self.job.backend.versions())
+        known = self.settings.knowledge_base.get(key)
+        if known is not None:
+            keep, reason = verdict(known["speedup"], known["noise"], known["pairs"],
+                                   self.settings.min_speedup, self.settings.gate.noise_widths,
+                                   known["baseline_ms"], known["candidate_ms"])
+            row.update(kept=keep, status="kept" if keep else "rejected", source="knowledge base",
+                       reason=f"{reason} (knowledge base, measured {known.get('recorded', '')})",
+                       speedup=known["speedup"], noise=known["noise"], measurement=known,
+                       region_ms_before=known["baseline_ms"], region_ms_after=known["candidate_ms"],
+                       saved_ms_per_step=(known["baseline_ms"] - known["candidate_ms"]) * len(members))
+            return row
+        if self._out_of_time():
+            row.update(status="not reached", reason="the time budget ran out before measuring it")
+            return row
+        slot, r = members[0]
+        with self._phase("measure"):
+            m = measure_region(r, self._values(values, slot, r), self.job.training, clock=self.clock,
+                               settings=self.settings.gate, min_speedup=self.settings.min_speedup,
+                               forms=self._forms(r, overlay), deadline=self.deadline)
+        keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
+        row.update(kept=keep, status="kept" if keep else "rejected", source="measured",
+                   reason=reason, speedup=m.speedup, noise=m.noise, measurement=m.to_dict(),
+                   region_ms_before=m.baseline_ms, region_ms_after=m.candidate_ms,
+                   saved_ms_per_step=m.saved_ms * len(members))
+        if not m.busy and m.pairs >= self.settings.gate.min_pairs:
+            self.settings.knowledge_base.put(key, {**m.to_dict(), "pass": p.name, "example": first.label})
+        return row
+
+    def _whole_model_agrees(self, p: Pass) -> bool:
+        """The model with every site of ``p`` in (the slots' candidates) against the original;
+        computed once per pass."""
+        if getattr(self, "_agrees_for", (None,))[0] is not p:
+            ok, _, err = self._verify_candidate()
+            self._agrees_for = (p, ok, err or 0.0)
+        return self._agrees_for[1]
+
+    @staticmethod
+    def _values(values: dict[str, dict[str, Recorded]], slot: GraphSlot, r: Region) -> list[Recorded]:
+        return [values[slot.name][name] for name in r.inputs]
+
+    @staticmethod
+    def _forms(r: Region, overlay: Any) -> tuple[Any, Any] | None:
+        return (overlay(r.before), overlay(r.after)) if overlay is not None else None
+
+    def _record(self, regions: list[tuple[GraphSlot, Region]]) -> dict[str, dict[str, Recorded]] | None:
+        """One run of the model as it now runs, recording every region's boundary values."""
+        names: dict[str, set[str]] = defaultdict(set)
+        for slot, r in regions:
+            names[slot.name].update(r.inputs)
+        recorders = {}
+        for slot in self.cap.slots:
+            if slot.name in names:
+                slot.recorder = recorders[slot.name] = Recorder(names[slot.name])
+        try:
+            torch.manual_seed(VERIFY_SEED)
+            grad = torch.enable_grad() if self.job.training else torch.no_grad()
+            with switched(self.cap.switch, deterministic=True), grad:
+                self.cap(*self.job.args, **self.job.kwargs)
+        finally:
+            for slot in self.cap.slots:
+                slot.recorder = None
+            self.job.zero_grads()
+            self.snapshot.restore()
+        values = {name: rec.values for name, rec in recorders.items()}
+        for slot, r in regions:
+            if any(n not in values[slot.name] for n in r.inputs):
+                return None
+        return values
+
+    def _keep_regions(self, p: Pass, regions: list[tuple[GraphSlot, Region]], kept_sigs: set[str],
+                      device: str, mode: str, precision: str | None) -> None:
+        for slot in self.cap.slots:
+            mine = [r for s, r in regions if s is slot]
+            chosen = [r for r in mine if r.signature(device, mode, p.version, precision) in kept_sigs]
+            if mine and len(chosen) == len(mine):
+                slot.accept()
+            elif chosen:
+                new = apply_sites(slot.kept, p, self.ctx, {a for r in chosen for a in r.anchors})
+                slot.set_kept(new) if new is not None else slot.reject()
+            else:
+                slot.reject()
+
+    # --- a pass decided on the whole step ------------------------------------------------------
+    def _try_on_step(self, p: Pass, descriptions: list[str], note: str = "") -> Decision:
+        with self._phase("verify"):
+            ok, detail, err = self._verify_candidate()
+        if not ok:
+            self._reject_all()
+            return Decision(p.name, False, "failed verification", detail, max_abs_error=err,
+                            sites=descriptions, scope="step")
+        base = tuple(k.name for k in self.kept)
+        with self._phase("measure"):
+            m = measure(self._variant_step(False, base, "kept"),
+                        self._variant_step(True, base + (p.name,), "candidate"),
+                        clock=self.clock, settings=self.settings.gate,
+                        min_speedup=self.settings.min_speedup, deadline=self.deadline)
+        keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
+        if keep:
+            kp = KeptPass(p)
+            self.kept.append(kp)
+            self.units.append(KeptUnit(p.name, None, m.speedup, m.noise, m.saved_ms, 1))
+            if p.sets_precision:  # applied on top of everything measured from now on
+                overlay = overlay_for([kp], self.ctx)
+                for slot in self.cap.slots:
+                    slot.reject()
+                    slot.set_overlay(overlay)
+            else:
+                for slot in self.cap.slots:
+                    slot.accept()
+        else:
+            self._reject_all()
+        return Decision(p.name, keep, "kept" if keep else "rejected",
+                        (f"{note}; " if note else "whole step: ") + reason, speedup=m.speedup,
+                        noise=m.noise, max_abs_error=err, sites=descriptions,
+                        measurement=m.to_dict(), verification=detail, scope="step")
+
+    def _variant_step(self, candidate: bool, passes: tuple[str, ...], label: str) -> Step:
+        inner = self.job.step(self.cap)
+
+        def run() -> None:
+            with switched(self.cap.switch, use_candidate=candidate):
+                inner()
+        return Step(run, passes, label)
+
+    def _reject_all(self) -> None:
+        for slot in self.cap.slots:
+            slot.reject()
+
+    def _verify_candidate(self, composed: bool = False) -> tuple[bool, str, float | None]:
+        """The whole model with the candidate in (or, ``composed``, as it now runs) against the
+        original's numerics, with the yardstick where the bound is exceeded."""
+        try:
+            with switched(self.cap.switch, use_candidate=not composed, deterministic=True):
+                got = self.job.numerics(self.cap, deterministic=contextlib.nullcontext())
+        except Exception as e:
+            return False, f"candidate raised when run: {type(e).__name__}: {e}", None
+        finally:
+            self.snapshot.restore()
+        tol = tolerance_for(self.job.dtype)
+        c = compare_runs(got, self.reference.values, tol)
+        if not c.ok:
+            y = self.reference.yardstick()
+            if y is not None and composed:
+                # Each rewrite was held to the yardstick on its own region; several correct
+                # rewrites composed add their rounding, a wrong one is off by far more.
+                y = dataclasses.replace(y, factor=2 * y.factor)
+            c = compare_runs(got, self.reference.values, tol, yardstick=y)
+        return c.ok, c.describe(), c.max_abs_error
+
+    # --- the composed model ------------------------------------------------------------------
+    def rebuild(self, kept: list[KeptPass]) -> None:
+        """Every slot from its original with ``kept`` applied (after an ablation)."""
+        self.kept = kept
+        overlay = overlay_for(kept, self.ctx)
+        for slot in self.cap.slots:
+            slot.set_overlay(None)
+            slot.set_kept(build(slot.original, kept, self.ctx, slot.name))
+            slot.set_overlay(overlay)
+
+    def composed_step(self) -> Step:
+        names = tuple(kp.name for kp in self.kept) + (("fuse_optimizer",) if self.fused_opt else ())
+        twin = self.fused_opt.twin(self.job.optimizer) if self.fused_opt is not None else None
+        optimized = self.job.step(self.cap if self.kept else self.job.model, optimizer=twin)
+
+        def run() -> None:
+            with switched(self.cap.switch, use_candidate=False):
+                optimized()
+        return Step(run, names, "optimized")
+
+    def original_step(self) -> Step:
+        return Step(self.job.step(self.job.model), (), "original")
+
+    def _confirm(self) -> bool:
+        """Verify the composed model once, then time it once against the original.
+        Returns True when the optimized model is what runs."""
+        if not self.kept and self.fused_opt is None:
+            self.report.final = {"kept": False, "reason": "no rewrite was kept"}
+            return False
+        with self._phase("confirm"):
+            return Confirmation(self).run()
+
+    def _drop_all(self) -> None:
+        self.kept, self.fused_opt = [], None
+        for slot in self.cap.slots:
+            slot.set_overlay(None)
+            slot.set_kept(slot.original)
+
+    def _on_new_graph(self, slot: GraphSlot) -> None:
+        replay_on_slot(slot, self.kept, self.ctx)
+
+    # --- capture -----------------------------------------------------------------------------
+    def _checked_capture(self) -> Capture:
+        """Capture, and check the captured model computes what the model does (else fall back)."""
+        job, front_end = self.job, self.settings.front_end
+        log.info("rewriter: capturing %s (%s step)", type(job.model).__name__, job.mode)
+        cap = capture(job.model, job.args, job.kwargs, front_end)
+        if isinstance(cap, FxCapture):
+            cap.restore_output_type(job.output_type)
+        problem = self._capture_mismatch(cap)
+        if problem and cap.front_end == "fx" and front_end == "auto":
+            cap = DynamoCapture(job.model, f"symbolic_trace graph differs from the model ({problem})")
+            problem = self._capture_mismatch(cap)
+        if problem:
+            raise CaptureError(f"{cap.front_end} capture differs from the model: {problem}")
+        if not cap.slots:
+            raise CaptureError("Dynamo handed over no graph (torch._dynamo's recompile limit "
+                               "reached, or nothing in forward is capturable)")
+        if isinstance(cap, DynamoCapture):
+            self._require_stable_graphs(cap)
+        self.report.front_end, self.report.front_end_reason = cap.front_end, cap.reason
+        self.report.left_as_modules = sorted(set(cap.left_as_modules))
+        log.info("rewriter: front-end %s (%s), %d graph(s)", cap.front_end, cap.reason, len(cap.slots))
+        return cap
+
+    def _require_stable_graphs(self, cap: DynamoCapture) -> None:
+        """A second call on the same inputs must reuse the graphs. If Dynamo compiles again, its
+        guards read Python state that changes per call (a hook counting calls, a step counter
+        attribute): past its recompile limit it runs the model eagerly, and every rewrite would
+        be kept on paper but never run."""
+        before = len(cap.slots)
         with switched(cap.switch, deterministic=True):
-            got = job.numerics(cap, deterministic=contextlib.nullcontext())
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    c = compare_runs(got, reference.values, tolerance_for(torch.float32))
-    return "" if c.ok else c.problem
+            self.job.numerics(cap, deterministic=contextlib.nullcontext())
+        self.snapshot.restore()
+        if len(cap.slots) > before:
+            raise CaptureError("Dynamo recompiles the model at every call (its guards read Python "
+                               "state that changes per call, such as a hook that counts calls or a "
+                               "step counter attribute), so a rewrite could not stay in effect")
+
+    def _capture_mismatch(self, cap: Capture) -> str:
+        """The captured graphs against the model. Plain fp32 rounding (GEMMs blocked another
+        way) is not a mismatch: beyond the bound, a float64 run of the model judges."""
+        try:
+            with switched(cap.switch, deterministic=True):
+                got = self.job.numerics(cap, deterministic=contextlib.nullcontext())
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        finally:
+            self.snapshot.restore()
+        tol = tolerance_for(torch.float32)
+        c = compare_runs(got, self.reference.values, tol)
+        if not c.ok:
+            c = compare_runs(got, self.reference.values, tol, yardstick=self.reference.float64())
+        return "" if c.ok else c.problem
+
+    # --- plans -------------------------------------------------------------------------------
+    def _fingerprint(self) -> dict:
+        job = self.job
+        return {"device": job.backend.name, "versions": job.backend.versions(), "mode": job.mode,
+                "dtype": str(job.dtype) if job.dtype else None,
+                "inputs": plans.input_signature(job.args, job.kwargs), "front_end": self.cap.front_end,
+                "graphs": plans.graph_hash(structure_signature(s.original) for s in self.cap.slots),
+                "pass_versions": {p.name: p.version for p in self.passes}}
+
+    def _plan_to_replay(self, fingerprint: dict) -> dict | None:
+        plan = _plan_to_replay(self.settings.plan, fingerprint, self.report, self.settings.strict_plan)
+        if plan is None and self.settings.cache_dir is not None:
+            plan = plans.cached_plan(self.settings.cache_dir, fingerprint)
+            if plan is not None:
+                self.report.plan_status = f"from the decision cache in {self.settings.cache_dir}"
+        return plan
+
+    def _replay(self, plan: dict) -> None:
+        known = registered_passes()
+        unknown = [n for n in plan["kept_passes"] if n not in known]
+        if unknown:
+            raise PlanError(f"plan keeps passes this installation does not have: {unknown}")
+        sites_of = plan.get("kept_sites") or {}
+        kept: list[KeptPass] = []
+        for name in plan["kept_passes"]:
+            kp = KeptPass.from_dict(known[name], sites_of.get(name))
+            self.rebuild(kept + [kp])
+            sites = [d for d in _sites_of(plan, name)]
+            with switched(self.cap.switch):
+                ok, detail, err = self._verify_candidate(composed=True)
+            status = "replayed" if ok else "failed verification"
+            self.report.decisions.append(Decision(
+                name, ok, status, detail if not ok else "from plan, not measured", max_abs_error=err,
+                sites=sites, verification=detail if ok else "", scope=kp.pass_.scope))
+            if ok:
+                kept.append(kp)
+        self.rebuild(kept)
+        if self.job.optimizer is not None:
+            self.fused_opt = _replay_optimizer(plan, self.job, self.report)
+        self.report.final = {"kept": bool(kept) or self.fused_opt is not None,
+                             "reason": "replayed plan (not measured)"}
+        replayed = f"replayed {[kp.name for kp in kept]} without measuring"
+        self.report.plan_status = (f"{self.report.plan_status}: {replayed}" if self.report.plan_status
+                                   else replayed)
+
+    # --- after deciding ----------------------------------------------------------------------
+    def _profile(self) -> None:
+        """One warm-up and one active step: the report's view, not a measurement."""
+        job, report = self.job, self.report
+        optimized = bool(self.kept) or self.fused_opt is not None
+        twin = self.fused_opt.twin(job.optimizer) if self.fused_opt is not None else None
+        try:
+            before = profile_run(job.step(job.model), job.backend, settings=REPORT_PROFILE, label="original")
+            report.top_ops_before, report.findings_before = before.top(10), advise(before)
+            if optimized:
+                run = self.cap if self.kept else job.model
+                after = profile_run(job.step(run, optimizer=twin), job.backend,
+                                    settings=REPORT_PROFILE, label="optimized")
+                report.top_ops_after, report.findings_after = after.top(10), advise(after)
+                report.op_comparison = compare(before, after, labels=("original", "optimized"))
+        except Exception as e:  # a profiler problem must not cost the user the optimization
+            report.notes.append(f"profiling failed: {type(e).__name__}: {e}")
+
+    def _loss_scaling(self, optimizer: torch.optim.Optimizer | None) -> amp.DynamicLossScale | None:
+        """fp16 training with half-precision GEMMs kept: dynamic loss scaling, the loop unchanged."""
+        job, report = self.job, self.report
+        if not (job.training and job.dtype == torch.float16
+                and any(kp.name == "cast_to_half" for kp in self.kept)):
+            return None
+        if optimizer is None:
+            report.notes.append("fp16 training without optimizer=: no loss scaling (gradients may "
+                                "underflow); pass the optimizer to optimize() to get it")
+            return None
+        scaler = amp.DynamicLossScale()
+        amp.attach_loss_scaling(optimizer, scaler)
+        report.notes.append(f"fp16 dynamic loss scaling on (initial scale {scaler.scale:g}); "
+                            "optimizer.step() skips a step whose gradients overflow")
+        return scaler
 
 
-def _verify_candidate(job: Job, cap: Capture, reference: Reference) -> tuple[bool, str, float | None]:
+REPORT_PROFILE = ProfileSettings(wait=0, warmup=1, active=1)
+
+
+def _saved(measurement: dict | None) -> float | None:
+    if not measurement or measurement.get("baseline_ms") is None or measurement.get("candidate_ms") is None:
+        return None
+    return measurement["baseline_ms"] - measurement["candidate_ms"]
+
+
+def _sites_of(plan: dict, name: str) -> list[str]:
+    for d in plan.get("decisions", []):
+        if d.get("pass_name") == name and d.get("kept"):
+            return list(d.get("sites", []))
+    return []
+
+
+def replay_on_slot(slot: GraphSlot, kept: list[KeptPass], ctx: PassContext) -> None:
+    """Apply the kept decisions to a graph captured after deciding (new shapes, mode), unmeasured."""
     try:
-        with switched(cap.switch, use_candidate=True, deterministic=True):
-            got = job.numerics(cap, deterministic=contextlib.nullcontext())
+        slot.set_overlay(None)
+        slot.set_kept(build(slot.original, kept, ctx, slot.name))
+        slot.set_overlay(overlay_for(kept, ctx))
     except Exception as e:
-        return False, f"candidate raised when run: {type(e).__name__}: {e}", None
-    tol = tolerance_for(job.dtype)
-    c = compare_runs(got, reference.values, tol)
-    if not c.ok:
-        c = compare_runs(got, reference.values, tol, yardstick=reference.yardstick())
-    return c.ok, c.describe(), c.max_abs_error
-
-
-def _try_pass(p: Pass, cap: Capture, job: Job, ctx: PassContext, reference: Reference,
-              kept: list[Pass], clock: Clock, settings: Settings) -> Decision:
-    why_not = p.applies_to(ctx)
-    if why_not:
-        return Decision(p.name, False, "not applicable", why_not)
-    try:
-        sites = [s.description for slot in cap.slots for s in slot.try_pass(p, ctx)]
-    except Exception as e:
-        _reject_all(cap)
-        return Decision(p.name, False, "raised", f"{type(e).__name__}: {e}")
-    if not sites:
-        _reject_all(cap)
-        return Decision(p.name, False, "no sites", "no site matched")
-    log.info("rewriter: %s: %d site(s); verifying and measuring", p.name, len(sites))
-    ok, detail, err = _verify_candidate(job, cap, reference)
-    if not ok:
-        _reject_all(cap)
-        return Decision(p.name, False, "failed verification", detail, max_abs_error=err, sites=sites)
-    base = tuple(k.name for k in kept)
-    m = measure(_variant_step(job, cap, False, base, "kept"),
-                _variant_step(job, cap, True, base + (p.name,), "candidate"),
-                clock=clock, settings=settings.gate, min_speedup=settings.min_speedup)
-    keep, reason = decide(m, settings.min_speedup, settings.gate.noise_widths)
-    for slot in cap.slots:
-        slot.accept() if keep else slot.reject()
-    return Decision(p.name, keep, "kept" if keep else "rejected", reason, speedup=m.speedup,
-                    noise=m.noise, max_abs_error=err, sites=sites, measurement=m.to_dict(),
-                    verification=detail)
-
-
-def _variant_step(job: Job, cap: Capture, candidate: bool, passes: tuple[str, ...], label: str) -> Step:
-    inner = job.step(cap)
-
-    def run() -> None:
-        with switched(cap.switch, use_candidate=candidate):
-            inner()
-    return Step(run, passes, label)
-
-
-def _reject_all(cap: Capture) -> None:
-    for slot in cap.slots:
-        slot.reject()
-
-
-def _final_check(job: Job, cap: Capture, kept: list[Pass],
-                 fused_opt: optimizers.OptimizerCandidate | None, clock: Clock, settings: Settings,
-                 report: Report) -> bool:
-    """Measure original vs optimized once more: pairwise gains need not add up.
-    Returns True when the optimized step is faster (nothing kept: False, nothing measured)."""
-    if not kept and fused_opt is None:
-        report.final = {"kept": False, "reason": "no rewrite was kept"}
-        return False
-    names = tuple(p.name for p in kept) + (("fuse_optimizer",) if fused_opt else ())
-    optimized = job.step(cap if kept else job.model, optimizer=_fused_twin(job, fused_opt))
-
-    def run_optimized() -> None:
-        with switched(cap.switch, use_candidate=False):
-            optimized()
-    m = measure(Step(job.step(job.model), (), "original"), Step(run_optimized, names, "optimized"),
-                clock=clock, settings=settings.gate, min_speedup=1.0)
-    keep, reason = decide(m, 1.0, settings.gate.noise_widths)
-    report.final = {"kept": keep, "speedup": m.speedup, "noise": m.noise, "reason": reason,
-                    "measurement": m.to_dict()}
-    log.info("rewriter: whole model vs original: %s", reason)
-    return keep
+        slot.set_overlay(None)
+        slot.set_kept(slot.original)
+        log.warning("rewriter: the kept rewrites could not be replayed on %s (%s); left unrewritten",
+                    slot.name, e)
 
 
 def _replay_optimizer(plan: dict, job: Job, report: Report) -> optimizers.OptimizerCandidate | None:
@@ -325,115 +698,8 @@ def _replay_optimizer(plan: dict, job: Job, report: Report) -> optimizers.Optimi
         raise PlanError(f"the plan switches the optimizer to {wanted}, which this optimizer "
                         f"({type(job.optimizer).__name__}) on {job.backend.name} has no form of")
     report.decisions.append(Decision("fuse_optimizer", True, "replayed", "from plan, not measured",
-                                     sites=[wanted]))
+                                     sites=[wanted], scope="step"))
     return match
-
-
-def _fused_twin(job: Job, cand: optimizers.OptimizerCandidate | None) -> torch.optim.Optimizer | None:
-    return cand.twin(job.optimizer) if cand is not None else None
-
-
-# The issue's bar for a fused optimizer: 5 steps within 1e-5 of the original's parameters.
-OPTIMIZER_STEPS = 5
-OPTIMIZER_TOLERANCE = Tolerance(rtol=1e-5, atol_scale=1e-6)
-
-
-def _try_optimizer(job: Job, clock: Clock, settings: Settings, report: Report, snapshot: Any
-                   ) -> optimizers.OptimizerCandidate | None:
-    if job.optimizer is None:
-        return None
-    decision, chosen = _gate_optimizer(job, clock, settings)
-    snapshot.restore()
-    report.decisions.append(decision)
-    log.info("rewriter: optimizer: %s: %s", decision.status, decision.reason)
-    return chosen
-
-
-def _gate_optimizer(job: Job, clock: Clock, settings: Settings
-                    ) -> tuple[Decision, optimizers.OptimizerCandidate | None]:
-    """Gate the fused forms of the job's optimizer on scratch copies; the first that passes wins."""
-    found, why_none = optimizers.candidates(job.optimizer, job.backend)
-    if not settings.replace_optimizer:
-        found = [c for c in found if c.flags is not None]
-        why_none += "; optimize() without example inputs can only switch the optimizer in place"
-    if not found:
-        return Decision("fuse_optimizer", False, "not applicable", why_none), None
-    tried = []
-    for cand in found:
-        ok, detail, err = _optimizer_numerics(job.optimizer, cand)
-        if not ok:
-            tried.append(f"{cand.description}: failed verification ({detail})")
-            continue
-        base, _ = optimizers.scratch_optimizer(job.optimizer, None, seed=1)
-        fused, _ = optimizers.scratch_optimizer(job.optimizer, cand, seed=1)
-        m = measure(Step(base.step, (), "optimizer step"), Step(fused.step, ("fuse_optimizer",), "fused step"),
-                    clock=clock, settings=settings.gate, min_speedup=settings.min_speedup)
-        keep, reason = decide(m, settings.min_speedup, settings.gate.noise_widths)
-        decision = Decision("fuse_optimizer", keep, "kept" if keep else "rejected",
-                            f"{cand.description}: {reason}", speedup=m.speedup, noise=m.noise,
-                            max_abs_error=err, sites=[cand.description], measurement=m.to_dict())
-        if keep:
-            return decision, cand
-        tried.append(decision.reason)
-    return Decision("fuse_optimizer", False, "rejected", "; ".join(tried),
-                    sites=[c.description for c in found]), None
-
-
-def _optimizer_numerics(optimizer: torch.optim.Optimizer, cand: optimizers.OptimizerCandidate
-                        ) -> tuple[bool, str, float | None]:
-    try:
-        base, base_params = optimizers.scratch_optimizer(optimizer, None)
-        fused, fused_params = optimizers.scratch_optimizer(optimizer, cand)
-        for _ in range(OPTIMIZER_STEPS):
-            base.step()
-            fused.step()
-    except Exception as e:
-        return False, f"raised: {type(e).__name__}: {e}", None
-    got = {f"param {i}": p.detach() for i, p in enumerate(fused_params)}
-    want = {f"param {i}": p.detach() for i, p in enumerate(base_params)}
-    c = compare_runs(got, want, OPTIMIZER_TOLERANCE)
-    return c.ok, c.describe(), c.max_abs_error
-
-
-# One warm-up and one active step: the report's view, not a measurement (the gate's timings
-# decide; these tables explain).
-REPORT_PROFILE = ProfileSettings(wait=0, warmup=1, active=1)
-
-
-def _profile(job: Job, run: Any, report: Report, optimizer: torch.optim.Optimizer | None,
-             optimized: bool) -> None:
-    try:
-        before = profile_run(job.step(job.model), job.backend, settings=REPORT_PROFILE, label="original")
-        report.top_ops_before, report.findings_before = before.top(10), advise(before)
-        if optimized:
-            after = profile_run(job.step(run, optimizer=optimizer), job.backend,
-                                settings=REPORT_PROFILE, label="optimized")
-            report.top_ops_after, report.findings_after = after.top(10), advise(after)
-            report.op_comparison = compare(before, after, labels=("original", "optimized"))
-    except Exception as e:  # a profiler problem must not cost the user the optimization
-        report.notes.append(f"profiling failed: {type(e).__name__}: {e}")
-
-
-def replay_on_slot(slot: GraphSlot, kept: list[Pass], ctx: PassContext) -> None:
-    """Apply kept passes to a graph captured after deciding (new shapes, mode), unmeasured."""
-    for p in kept:
-        try:
-            if slot.try_pass(p, ctx):
-                slot.accept()
-        except Exception as e:
-            slot.reject()
-            log.warning("rewriter: %s could not be replayed on %s (%s); left unrewritten",
-                        p.name, slot.name, e)
-
-
-# --- plans ---------------------------------------------------------------------------------
-
-def _fingerprint(job: Job, cap: Capture, passes: list[Pass]) -> dict:
-    return {"device": job.backend.name, "versions": job.backend.versions(), "mode": job.mode,
-            "dtype": str(job.dtype) if job.dtype else None,
-            "inputs": plans.input_signature(job.args, job.kwargs), "front_end": cap.front_end,
-            "graphs": plans.graph_hash(structure_signature(s.original) for s in cap.slots),
-            "pass_versions": {p.name: p.version for p in passes}}
 
 
 def _plan_to_replay(source: Any, fingerprint: dict, report: Report, strict: bool) -> dict | None:
@@ -459,27 +725,3 @@ def _plan_to_replay(source: Any, fingerprint: dict, report: Report, strict: bool
         log.warning("rewriter: plan not applied: %s", "; ".join(mismatch))
         return None
     return plan
-
-
-def _replay(plan: dict, cap: Capture, job: Job, ctx: PassContext, reference: Reference,
-            report: Report) -> list[Pass]:
-    known = registered_passes()
-    unknown = [n for n in plan["kept_passes"] if n not in known]
-    if unknown:
-        raise PlanError(f"plan keeps passes this installation does not have: {unknown}")
-    kept: list[Pass] = []
-    for name in plan["kept_passes"]:
-        p = known[name]
-        sites = [s.description for slot in cap.slots for s in slot.try_pass(p, ctx)]
-        ok, detail, err = _verify_candidate(job, cap, reference)
-        for slot in cap.slots:
-            slot.accept() if ok else slot.reject()
-        status = "replayed" if ok else "failed verification"
-        report.decisions.append(Decision(name, ok, status, detail if not ok else "from plan, not measured",
-                                         max_abs_error=err, sites=sites,
-                                         verification=detail if ok else ""))
-        if ok:
-            kept.append(p)
-    replayed = f"replayed {[p.name for p in kept]} without measuring"
-    report.plan_status = f"{report.plan_status}: {replayed}" if report.plan_status else replayed
-    return kept

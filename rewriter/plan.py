@@ -37,10 +37,12 @@ def graph_hash(signatures: Iterable[list[str]]) -> str:
 
 
 def make_plan(fingerprint: dict, kept: list[str], decisions: list[dict],
-              optimizer: str | None = None) -> dict:
-    """``kept``: graph passes to apply in order; ``optimizer``: the fused optimizer form kept."""
+              optimizer: str | None = None, kept_sites: dict[str, dict] | None = None) -> dict:
+    """``kept``: graph passes to apply in order; ``optimizer``: the fused optimizer form kept;
+    ``kept_sites``: per pass, the region signatures (and shape-free structures) it was kept
+    for (``None`` signatures: every site). A plan without it applies every site."""
     return {"format": PLAN_FORMAT, "fingerprint": fingerprint, "kept_passes": kept,
-            "optimizer": optimizer, "decisions": decisions}
+            "kept_sites": kept_sites or {}, "optimizer": optimizer, "decisions": decisions}
 
 
 def load_plan(source: str | os.PathLike | dict) -> dict:

@@ -30,6 +30,10 @@ class Decision:
     sites: list[str] = field(default_factory=list)
     measurement: dict | None = None
     verification: str = ""  # how the numerics check passed (error, and any yardstick used)
+    scope: str = "site"  # "site": decided per region signature; "step": on the whole step
+    # Per region signature: sites, region ms before -> after ± noise, calls per step, the
+    # predicted step saving, verification error, and where the decision came from.
+    regions: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +51,7 @@ class Report:
     decisions: list[Decision] = field(default_factory=list)
     final: dict = field(default_factory=dict)  # whole-model check: kept, speedup, noise, reason
     optimize_seconds: float = 0.0
+    phases: dict = field(default_factory=dict)  # seconds per phase: capture, record, verify, ...
     top_ops_before: list[OpRow] = field(default_factory=list)
     top_ops_after: list[OpRow] = field(default_factory=list)
     findings_before: list[Finding] = field(default_factory=list)
@@ -104,6 +109,18 @@ class Report:
             speed = f"{d.speedup:.3f}x ±{d.noise:.3f}" if d.speedup is not None and d.noise is not None else "-"
             err = f"{d.max_abs_error:.1e}" if d.max_abs_error is not None else "-"
             lines.append(f"| {d.pass_name} | {d.status} | {speed} | {err} | {len(d.sites)} | {_cell(d.reason)} |")
+        regions = [(d, row) for d in self.decisions for row in d.regions]
+        if regions:
+            lines += ["", "## Regions (one row per signature: identical sites are measured once)", "",
+                      "| pass | signature | sites | example | ran in | region ms before -> after | "
+                      "speedup | predicted step saving | error | from | decision |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+            for d, row in regions:
+                lines.append(_region_row(d.pass_name, row))
+        if self.final.get("predicted_saving_ms") is not None:
+            lines += ["", f"Whole step, original vs composed: {_cell(self.final.get('reason', ''))}"]
+        if self.phases:
+            lines += ["", "time per phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())]
         for title, rows in (("Top operators before", self.top_ops_before),
                             ("Top operators after", self.top_ops_after)):
             if rows:
@@ -129,6 +146,20 @@ class Report:
 
     def __str__(self) -> str:
         return self.to_markdown()
+
+
+def _region_row(pass_name: str, row: dict) -> str:
+    def num(key: str, fmt: str) -> str:
+        v = row.get(key)
+        return format(v, fmt) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
+    speed = (f"{num('speedup', '.3f')}x ±{num('noise', '.3f')}" if row.get("speedup") is not None else "-")
+    times = (f"{num('region_ms_before', '.3f')} -> {num('region_ms_after', '.3f')}"
+             if row.get("region_ms_before") is not None else "-")
+    saving = f"{num('saved_ms_per_step', '.3f')} ms" if row.get("saved_ms_per_step") is not None else "-"
+    sites = f"{row.get('sites', 0)} site" + ("s" if row.get("sites", 0) != 1 else "")
+    return (f"| {pass_name} | {row.get('signature', '')[:8]} | {sites} | {_cell(str(row.get('example', '')))[:60]} "
+            f"| {row.get('ran_in', '-')} | {times} | {speed} | {saving} | {num('max_abs_error', '.1e')} "
+            f"| {row.get('source', '-')} | {row.get('status', '')}: {_cell(str(row.get('reason', '')))} |")
 
 
 def _cell(text: str) -> str:

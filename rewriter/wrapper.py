@@ -165,10 +165,9 @@ class OptimizedModel(nn.Module):
             seen[2] = RemovableHandle.next_id  # hooks registered elsewhere
             return False
         outcome: Outcome = self.__dict__["_outcome"]
-        outcome.use_original = True
         reason = ("module hooks changed after optimize(); the rewritten graphs cannot run them, "
                   "so the original model runs (call optimize() again to rewrite with the hooks)")
-        outcome.report.notes.append(reason)
+        outcome.fall_back_to_original(reason)
         warnings.warn(f"rewriter: {reason}", stacklevel=3)
         return True
 
@@ -200,7 +199,7 @@ def _hooks_of(modules: list[nn.Module]) -> tuple:
 
 def _compile_fx_capture(cap: FxCapture, compiler: Callable[..., Any]) -> None:
     slot = cap.slots[0]
-    slot.compiled = torch.compile(slot.kept, backend=compiler)
+    slot.compiled = torch.compile(slot.kept_run, backend=compiler)
 
 
 class _LazyFxRetrace:

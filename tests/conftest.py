@@ -14,6 +14,14 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True)
+def private_knowledge_base(tmp_path, monkeypatch):
+    """Each test starts with an empty knowledge base of its own (never the user's ~/.cache)."""
+    path = tmp_path / "knowledge_base.json"
+    monkeypatch.setenv("REWRITER_KNOWLEDGE_BASE", str(path))
+    return path
+
+
 @pytest.fixture
 def fake_torch_npu(monkeypatch):
     """Put the reference shim in sys.modules as ``torch_npu`` for the duration of a test."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,17 +22,25 @@ class ControlledClock:
     """Runs each step (so the code path is real) and reports a time set by its passes.
 
     A step's time is ``base * prod(costs[p] for p in step.passes)``, with a small seeded jitter
-    so the noise estimate is exercised. ``interrupt_after`` raises KeyboardInterrupt then.
+    so the noise estimate is exercised. ``step_costs`` (by pass) replace ``costs`` for whole
+    steps (``step.scope == "step"``), so a region can look faster than its composed step is.
+    ``interference(call, step)`` multiplies a sample's time (a burst of load from another
+    process); ``interrupt_after`` raises KeyboardInterrupt then.
     """
 
     def __init__(self, costs: dict[str, float] | None = None, base: float = 0.010,
-                 jitter: float = 0.005, interrupt_after: int | None = None) -> None:
+                 jitter: float = 0.005, interrupt_after: int | None = None,
+                 step_costs: dict[str, float] | None = None,
+                 interference: Callable[[int, Step], float] | None = None) -> None:
         self.costs = costs or {}
+        self.step_costs = step_costs or {}
         self.base, self.jitter = base, jitter
         self.rng = random.Random(0)
         self.calls = 0
         self.interrupt_after = interrupt_after
+        self.interference = interference
         self.seen: list[tuple[str, ...]] = []
+        self.scopes: list[str] = []
 
     def time(self, step: Step) -> float:
         self.calls += 1
@@ -39,7 +48,11 @@ class ControlledClock:
             raise KeyboardInterrupt
         step.run()
         self.seen.append(step.passes)
-        factor = math.prod(self.costs.get(p, 1.0) for p in step.passes)
+        self.scopes.append(step.scope)
+        costs = {**self.costs, **self.step_costs} if step.scope == "step" else self.costs
+        factor = math.prod(costs.get(p, 1.0) for p in step.passes)
+        if self.interference is not None:
+            factor *= self.interference(self.calls, step)
         return self.base * factor * (1 + self.jitter * self.rng.uniform(-1, 1))
 
 

@@ -93,3 +93,16 @@ class HandAttention(nn.Module):
         p = self.drop(p)
         out = p @ v
         return (out, p) if self.return_weights else out
+
+
+class Blocks(nn.Module):
+    """``n`` identical Linear + ReLU blocks: ``n`` sites of one signature."""
+
+    def __init__(self, n: int = 4, d: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x

@@ -216,7 +216,7 @@ def test_capture_failure_runs_the_original_and_keeps_the_optimizer(monkeypatch, 
 
     def fail(*a, **k):
         raise CaptureError("no front-end captured it")
-    monkeypatch.setattr(pipeline, "_checked_capture", fail)
+    monkeypatch.setattr(pipeline.Run, "_checked_capture", fail)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     fast, opt2 = _opt(model, (x,), optimizer=opt, loss_fn=lambda o: o.mean())
     assert opt2 is opt and fast._runner() is model

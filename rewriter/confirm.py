@@ -1,0 +1,168 @@
+"""One confirmation on the whole step: the original against everything kept, composed.
+
+Region gains need not add up (a fused kernel may change what runs around it), so the composed
+model is verified once and timed once against the original, with the saving the kept
+decisions predict beside it::
+
+    keep = Confirmation(run).run()
+
+* measurably faster: confirmed.
+* within the step's noise: a step of 300 ms with ±2 % noise cannot see a 3 ms saving; the
+  region measurements stand, and the report says so.
+* measurably slower: the culprit is found by ablation, the most doubtful decision (lowest
+  lower confidence bound) first, re-timing after each removal, instead of returning the
+  original wholesale. Only what the step shows to hurt is reverted.
+* a busy machine spoiled the step comparison: the region decisions stand; the report says so.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rewriter.gate import Measurement, figure, measure
+
+if TYPE_CHECKING:
+    from rewriter.pipeline import Run
+
+
+@dataclass
+class KeptUnit:
+    """One kept decision: a region signature of a pass, a step-level pass, or the optimizer."""
+
+    pass_name: str
+    signature: str | None
+    speedup: float | None
+    noise: float | None
+    saved_ms: float | None  # predicted saving per step
+    sites: int
+    structure: str | None = None
+
+    @property
+    def lower_bound(self) -> float:
+        if self.speedup is None or self.noise is None or not math.isfinite(self.noise):
+            return -math.inf
+        return self.speedup - 2 * self.noise
+
+    @property
+    def label(self) -> str:
+        return self.pass_name + (f" [{self.signature[:8]}]" if self.signature else "")
+
+
+class Confirmation:
+    """The step check of one Run; :meth:`run` returns True when the optimized model runs."""
+
+    def __init__(self, owner: "Run") -> None:
+        self.owner = owner
+        self.reverted: list[str] = []
+
+    def run(self) -> bool:
+        return _confirm(self)
+
+
+def _confirm(self: Confirmation) -> bool:
+    r = self.owner
+    if not _verified(self):
+        if not r.kept and r.fused_opt is None:
+            return False
+    widths = r.settings.gate.noise_widths
+    m = _measure(self)
+    predicted = sum(u.saved_ms for u in r.units if u.saved_ms and math.isfinite(u.saved_ms))
+    slower = _slower(m, r)
+    first = m
+    while slower and r.units:
+        unit = min(r.units, key=lambda u: u.lower_bound)
+        _revert(self, unit)
+        if not r.kept and r.fused_opt is None:
+            break
+        m = _measure(self)
+        slower = _slower(m, r)
+    final = {"measurement": m.to_dict(), "speedup": m.speedup, "noise": m.noise,
+             "predicted_saving_ms": round(predicted, 4), "step_ms": m.baseline_ms,
+             "reverted": list(self.reverted)}
+    if not r.kept and r.fused_opt is None:
+        final.update(kept=False, reason=f"the composed step was slower ({figure(first)}); every kept "
+                     f"decision was reverted ({', '.join(self.reverted)})")
+        r.report.final = final
+        return False
+    if m.busy:
+        reason = ("inconclusive on the whole step: the machine was busy; the kept decisions stand "
+                  "on their own measurements")
+    elif slower:
+        reason = f"slower: {figure(m)}"  # units ran out (nothing left to revert)
+    elif m.speedup - widths * m.noise > 1.0:
+        reason = f"confirmed on the whole step: {figure(m)}; predicted saving {predicted:.2f} ms a step"
+    else:
+        share = 100 * predicted / m.baseline_ms if m.baseline_ms and math.isfinite(m.baseline_ms) else math.nan
+        reason = (f"the step's noise cannot resolve the predicted saving of {predicted:.2f} ms a step "
+                  f"({share:.1f}% of {m.baseline_ms:.1f} ms): {figure(m)}; kept on the region "
+                  "and own-step measurements")
+    if self.reverted:
+        reason = (f"the composed step was slower ({figure(first)}); reverted by ablation: "
+                  f"{', '.join(self.reverted)}; then " + reason)
+    final.update(kept=True, reason=reason)
+    r.report.final = final
+    return True
+
+
+def _slower(m: Measurement, r: "Run") -> bool:
+    """Measurably slower: clear of the noise, and by more than the regression margin."""
+    g = r.settings.gate
+    return (m.pairs >= 2 and not m.busy and m.speedup < g.regression
+            and m.speedup + g.noise_widths * m.noise < 1.0)
+
+
+def _measure(self: Confirmation) -> Measurement:
+    r = self.owner
+    m = measure(r.original_step(), r.composed_step(), clock=r.clock, settings=r.settings.gate,
+                min_speedup=1.0)
+    r.snapshot.restore()
+    return m
+
+
+def _verified(self: Confirmation) -> bool:
+    """The composed model's numerics, once; on failure, passes are taken off newest first."""
+    r = self.owner
+    while r.kept:
+        ok, detail, _ = r._verify_candidate(composed=True)
+        if ok:
+            return True
+        last = r.kept[-1]
+        self.reverted.append(f"{last.name} (the composed model failed verification: {detail})")
+        r.units = [u for u in r.units if u.pass_name != last.name]
+        _mark_reverted(r, last.name, None, "reverted: the composed model failed verification")
+        r.rebuild(r.kept[:-1])
+    return False
+
+
+def _revert(self: Confirmation, unit: KeptUnit) -> None:
+    r = self.owner
+    r.units.remove(unit)
+    self.reverted.append(unit.label)
+    if unit.pass_name == "fuse_optimizer" and unit.signature is None:
+        r.fused_opt = None
+    else:
+        kept = []
+        for kp in r.kept:
+            if kp.name == unit.pass_name:
+                if unit.signature is None or kp.signatures is None:
+                    continue
+                kp.signatures.discard(unit.signature)
+                kp.rejected.add(unit.signature)
+                if not kp.signatures:
+                    continue
+            kept.append(kp)
+        r.rebuild(kept)
+    _mark_reverted(r, unit.pass_name, unit.signature, "reverted by the step check (ablation)")
+
+
+def _mark_reverted(r: "Run", pass_name: str, signature: str | None, why: str) -> None:
+    for d in r.report.decisions:
+        if d.pass_name != pass_name or not d.kept:
+            continue
+        for row in d.regions:
+            if signature is None or row.get("signature") == signature:
+                row["kept"], row["status"] = False, "reverted"
+        if signature is None or not any(row.get("kept") for row in d.regions):
+            d.kept, d.status = False, "reverted"
+        d.reason = f"{why}; {d.reason}"

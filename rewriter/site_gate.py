@@ -1,0 +1,154 @@
+"""Verify and time one region on its own: the original nodes against their replacement.
+
+The inputs are the boundary values recorded in the model's own run (rewriter.record). In
+training a region runs forward and backward: the gradients of every boundary input that
+required grad (activations and parameters alike) with a fixed random cotangent on each output,
+so the fused backward is what is measured and checked::
+
+    ok, detail, err = verify_region(region, values, training=True)
+    m = measure_region(region, values, training=True, clock=clock, settings=settings)
+
+Verification compares the replacement with the original at the region's own precision, and,
+where the elementwise bound is exceeded, with a float64 run of the original region as the
+yardstick (rewriter.verify): the error is attributed to the site, at any model size.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable
+
+import torch
+from torch.fx import GraphModule
+
+from rewriter.gate import Clock, GateSettings, Measurement, Step, measure
+from rewriter.record import Recorded
+from rewriter.region import Region, dtype_of_region
+from rewriter.verify import (
+    FLOAT64_FACTOR,
+    Comparison,
+    Yardstick,
+    compare_runs,
+    dropout_disabled,
+    tolerance_for,
+)
+
+REGION_SEED = 20261201
+
+
+def _cotangent(i: int, t: torch.Tensor) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device, t.dtype)
+
+
+class RegionCall:
+    """One region form, ready to run on prepared inputs (forward, or forward + backward)."""
+
+    def __init__(self, gm: GraphModule, values: list[Recorded], training: bool,
+                 float64: bool = False) -> None:
+        self.gm, self.training = gm, training
+        self.inputs: list[Any] = []
+        self.grad_inputs: list[int] = []
+        for i, r in enumerate(values):
+            v = r.value
+            if isinstance(v, torch.Tensor):
+                v = v.detach()
+                if float64 and v.is_floating_point():
+                    v = v.to(torch.float64)
+                if training and r.requires_grad:
+                    v = v.detach().requires_grad_(True)  # a leaf of our own; storage shared
+                    self.grad_inputs.append(i)
+            self.inputs.append(v)
+        self._cotangents: list[torch.Tensor | None] | None = None
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        """One run; outputs and input gradients by name."""
+        grad = torch.enable_grad() if self.training else torch.no_grad()
+        with grad:
+            outs = self.gm(*self.inputs)
+            result = {f"output {i}": o.detach() for i, o in enumerate(outs)
+                      if isinstance(o, torch.Tensor)}
+            if self.training and self.grad_inputs:
+                grads = self._backward(outs)
+                for i, g in zip(self.grad_inputs, grads):
+                    t = self.inputs[i]
+                    result[f"grad input {i}"] = g.detach() if g is not None else torch.zeros_like(t)
+        return result
+
+    def _backward(self, outs: tuple) -> tuple:
+        diff = [(i, o) for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not diff:
+            return tuple(None for _ in self.grad_inputs)
+        cots = [_cotangent(i, o) for i, o in diff]
+        return torch.autograd.grad([o for _, o in diff], [self.inputs[i] for i in self.grad_inputs],
+                                   cots, allow_unused=True)
+
+
+def _seeded_numerics(call: RegionCall) -> dict[str, torch.Tensor]:
+    torch.manual_seed(REGION_SEED)
+    with dropout_disabled():
+        return call()
+
+
+def verify_region(region: Region, values: list[Recorded], training: bool,
+                  forms: tuple[GraphModule, GraphModule] | None = None) -> Comparison:
+    """The replacement against the original region, at the region's precision.
+
+    ``forms``: (before, after) to run instead of the region's own (the region with the
+    precision overlay applied)."""
+    before, after = forms or (region.before, region.after)
+    dtype = dtype_of_region([v.value for v in values])
+    try:
+        want = _seeded_numerics(RegionCall(before, values, training))
+    except Exception as e:  # noqa: BLE001 (the original region itself: not the site's fault)
+        return Comparison(False, math.inf, problem=f"the original region does not run alone "
+                          f"({type(e).__name__}: {e})")
+    try:
+        got = _seeded_numerics(RegionCall(after, values, training))
+    except Exception as e:  # noqa: BLE001
+        return Comparison(False, math.inf, problem=f"the replacement raised: {type(e).__name__}: {e}")
+    tol = tolerance_for(dtype)
+    c = compare_runs(got, want, tol)
+    if c.ok:
+        return c
+    try:
+        exact = _seeded_numerics(RegionCall(region.before, values, training, float64=True))
+    except Exception:  # noqa: BLE001 (a region that insists on its dtype: the bound alone)
+        return c
+    return compare_runs(got, want, tol, yardstick=Yardstick("float64", exact, FLOAT64_FACTOR))
+
+
+def _repeated(call: RegionCall, reps: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(reps):
+            call()
+    return run
+
+
+def measure_region(region: Region, values: list[Recorded], training: bool, *, clock: Clock,
+                   settings: GateSettings, min_speedup: float,
+                   forms: tuple[GraphModule, GraphModule] | None = None,
+                   deadline: float | None = None) -> Measurement:
+    """Interleaved A/B of the two forms, each sample long enough for the timer (repeats)."""
+    before, after = forms or (region.before, region.after)
+    a, b = RegionCall(before, values, training), RegionCall(after, values, training)
+    with torch.random.fork_rng(devices=[]):
+        a(), b()  # first calls: allocator, kernels picked
+        reps = calibrate(clock, Step(_repeated(a, 1), (), "original region", scope="region"),
+                         settings.region_sample_seconds)
+        base = Step(_repeated(a, reps), (), "original region", scope="region", reps=reps)
+        cand = Step(_repeated(b, reps), (region.pass_name,), "replacement", scope="region", reps=reps)
+        return measure(base, cand, clock=clock, settings=settings, min_speedup=min_speedup,
+                       deadline=deadline)
+
+
+def calibrate(clock: Clock, once: Step, target_seconds: float, max_reps: int = 10_000) -> int:
+    """Repetitions per sample so that one sample lasts about ``target_seconds``."""
+    t = min(clock.time(once) for _ in range(3))
+    if t <= 0 or not math.isfinite(t):
+        return 1
+    return int(min(max_reps, max(1, math.ceil(target_seconds / t))))
+
+
+def deadline_in(seconds: float | None) -> float | None:
+    return None if seconds is None else time.perf_counter() + seconds

@@ -1,0 +1,243 @@
+"""Site-level gating: regions, signatures, the knowledge base, busy machines, the step check.
+
+Every decision here is made with a controlled clock (tests/controlled.py): times are set by
+the passes a variant contains, so the tests check decisions, never wall-clock speed.
+"""
+import random
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rewriter
+from rewriter.gate import GateSettings, Measurement, Step, decide, measure
+from rewriter.region import find_regions
+from tests.controlled import QUICK, ControlledClock, RewriteRelu
+from tests.models import Blocks, ReluMLP
+
+
+def _opt(model, inputs, passes, clock, **kw):
+    kw.setdefault("knowledge_base", False)
+    return rewriter.optimize(model, inputs, passes=passes, clock=clock, gate=QUICK,
+                             profile=False, progress=False, **kw)
+
+
+def _decision(fast, name):
+    return next(d for d in fast.report.decisions if d.pass_name == name)
+
+
+def _region_samples(clock, name):
+    return sum(1 for passes, scope in zip(clock.seen, clock.scopes) if scope == "region" and name in passes)
+
+
+@pytest.fixture
+def blocks():
+    torch.manual_seed(0)
+    return Blocks(n=4).eval(), torch.randn(8, 16)
+
+
+def test_identical_sites_are_one_signature_measured_once(blocks):
+    model, x = blocks
+    clock = ControlledClock({"a": 0.5})
+    fast = _opt(model, (x,), [RewriteRelu("a")], clock)
+    d = _decision(fast, "a")
+    assert d.kept and d.scope == "site" and len(d.sites) == 4
+    assert len(d.regions) == 1 and d.regions[0]["sites"] == 4 and d.regions[0]["source"] == "measured"
+    # one comparison for the four sites: QUICK takes at most 6 pairs, plus 3 calibration runs
+    assert 0 < _region_samples(clock, "a") <= QUICK.max_pairs
+    assert d.regions[0]["saved_ms_per_step"] == pytest.approx(4 * d.regions[0]["region_ms_before"] / 2,
+                                                              rel=0.05)
+
+
+def test_sites_of_different_shapes_are_different_signatures():
+    torch.manual_seed(0)
+
+    class TwoWidths(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+
+        def forward(self, x):
+            return torch.relu(self.b(torch.relu(self.a(x))))
+    fast = _opt(TwoWidths().eval(), (torch.randn(4, 16),), [RewriteRelu("a")], ControlledClock({"a": 0.5}))
+    d = _decision(fast, "a")
+    assert [row["sites"] for row in d.regions] == [1, 1]
+    assert {tuple(row["boundary"]) for row in d.regions} == {("float32[4, 32]s[32, 1]",),
+                                                              ("float32[4, 8]s[8, 1]",)}
+
+
+def test_a_cached_signature_is_replayed_without_measuring(tmp_path, blocks):
+    model, x = blocks
+    kb = tmp_path / "kb.json"
+    first = _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 0.5}), knowledge_base=kb)
+    assert _decision(first, "a").regions[0]["source"] == "measured" and kb.exists()
+    clock = ControlledClock({"a": 0.5})
+    second = _opt(model, (x,), [RewriteRelu("a")], clock, knowledge_base=kb)
+    d = _decision(second, "a")
+    assert d.kept and d.regions[0]["source"] == "knowledge base" and "knowledge base" in d.reason
+    assert _region_samples(clock, "a") == 0
+    # another model with the same region (same shapes) reuses it too
+    torch.manual_seed(1)
+    other = Blocks(n=2).eval()
+    clock = ControlledClock({"a": 0.5})
+    third = _opt(other, (x,), [RewriteRelu("a")], clock, knowledge_base=kb)
+    assert _decision(third, "a").regions[0]["source"] == "knowledge base"
+    assert _region_samples(clock, "a") == 0
+
+
+def test_a_rejection_in_the_knowledge_base_is_replayed_as_a_rejection(tmp_path, blocks):
+    model, x = blocks
+    kb = tmp_path / "kb.json"
+    _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 2.0}), knowledge_base=kb)
+    again = _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 0.5}), knowledge_base=kb)
+    d = _decision(again, "a")
+    assert not d.kept and "slower" in d.reason and d.regions[0]["source"] == "knowledge base"
+
+
+def _burst(share):
+    """Load from another process: the original region's samples come out 3x slower in
+    ``share`` of them, so the replacement only looks faster."""
+    rng = random.Random(1)
+
+    def interference(call, step):
+        if step.scope == "region" and not step.passes and rng.random() < share:
+            return 3.0
+        return 1.0
+    return interference
+
+
+def test_injected_interference_is_inconclusive_never_a_keep(blocks):
+    model, x = blocks
+    clock = ControlledClock({"a": 1.0}, interference=_burst(0.6))  # truly the same speed
+    fast = _opt(model, (x,), [RewriteRelu("a")], clock)
+    d = _decision(fast, "a")
+    assert not d.kept and "inconclusive: the machine was busy" in d.reason
+    assert d.measurement["remeasured"] and d.measurement["busy"]
+
+
+def test_a_few_flagged_samples_are_left_out_and_the_decision_stands():
+    m = Measurement([0.010, 0.010, 0.030, 0.010, 0.010, 0.010, 0.010, 0.010],
+                    [0.005, 0.005, 0.005, 0.005, 0.005, 0.005, 0.005, 0.005], outlier_factor=1.5)
+    assert m.flagged == [False, False, True] + [False] * 5
+    assert m.pairs == 7 and m.speedup == pytest.approx(2.0)
+    keep, reason = decide(m, 1.05)
+    assert keep and "1 flagged sample(s) left out" in reason
+
+
+def test_measure_retries_once_when_busy_then_gives_up():
+    a, b = Step(lambda: None, (), "a"), Step(lambda: None, ("x",), "b")
+    calls = []
+
+    class Busy(ControlledClock):
+        def time(self, step):
+            calls.append(step.label)
+            t = super().time(step)
+            return t * 4 if step.label == "a" and len(calls) % 4 in (1, 2) else t
+    settings = GateSettings(warmup=0, warmup_seconds=0, max_warmup=0, min_pairs=6, max_pairs=6)
+    m = measure(a, b, clock=Busy({"x": 1.0}), settings=settings)
+    assert m.remeasured and m.busy and len(calls) == 24  # two rounds of six pairs
+    assert "inconclusive" in decide(m, 1.05)[1]
+
+
+def test_reason_figures_agree_with_each_other():
+    m = Measurement([0.120, 0.121, 0.119, 0.120], [0.095, 0.160, 0.094, 0.161], outlier_factor=9)
+    keep, reason = decide(m, 1.05)
+    # the times printed are the baseline's median and that divided by the ratio printed
+    assert m.candidate_ms == pytest.approx(m.baseline_ms / m.speedup)
+    assert f"{m.speedup:.3f}x" in reason and f"-> {m.candidate_ms:.3f} ms" in reason
+
+
+def test_a_composed_regression_is_resolved_by_ablation_most_doubtful_first(blocks):
+    model, x = blocks
+    # a: 2x on its region; b: 1.25x on its region but the step with it is slower
+    clock = ControlledClock({"a": 0.5, "b": 0.8}, step_costs={"a": 0.9, "b": 1.5})
+    fast = _opt(model, (x,), [RewriteRelu("a"), RewriteRelu("b")], clock)
+    a, b = _decision(fast, "a"), _decision(fast, "b")
+    assert a.kept and not b.kept and b.status == "reverted"
+    final = fast.report.final
+    assert final["kept"] and final["reverted"] == [b.regions[0] and "b [" + b.regions[0]["signature"][:8] + "]"]
+    assert "reverted by ablation" in final["reason"] and fast.report.kept_passes == ["a"]
+
+
+def test_a_faster_region_is_kept_when_the_step_cannot_resolve_it(blocks):
+    model, x = blocks
+    clock = ControlledClock({"a": 0.5}, step_costs={"a": 1.0})  # the step shows nothing
+    fast = _opt(model, (x,), [RewriteRelu("a")], clock)
+    assert _decision(fast, "a").kept and fast.report.kept_passes == ["a"]
+    final = fast.report.final
+    assert final["kept"] and "cannot resolve the predicted saving" in final["reason"]
+    assert final["predicted_saving_ms"] > 0
+
+
+def test_fused_optimizer_faster_on_its_step_is_returned_with_no_passes():
+    torch.manual_seed(0)
+    model = ReluMLP().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    x = torch.randn(4, 16)
+    clock = ControlledClock({"fuse_optimizer": 0.3}, step_costs={"fuse_optimizer": 1.0})
+    fast, opt2 = _opt(model, (x,), [], clock, optimizer=opt, loss_fn=lambda out: out.pow(2).mean())
+    d = _decision(fast, "fuse_optimizer")
+    assert d.kept and "on its own step" in d.reason
+    assert fast.report.final["kept"] and opt2 is opt and opt.param_groups[0]["fused"]
+
+
+class SlowFind(RewriteRelu):
+    def find(self, gm, ctx):
+        time.sleep(0.4)  # elapses the budget; not a timing threshold
+        return super().find(gm, ctx)
+
+
+def test_time_budget_reports_what_it_did_not_reach_and_keeps_nothing_unmeasured(blocks):
+    model, x = blocks
+    clock = ControlledClock({"a": 0.5, "b": 0.5})
+    fast = _opt(model, (x,), [SlowFind("a"), RewriteRelu("b")], clock, time_budget=0.3)
+    a, b = _decision(fast, "a"), _decision(fast, "b")
+    assert b.status == "not reached" and not b.kept and "time budget" in b.reason
+    assert ("b",) not in clock.seen
+    assert a.status in ("kept", "not reached")  # a was found; its measurement is past the budget
+    assert all(r["status"] == "not reached" for r in a.regions if not r["kept"])
+
+
+def test_the_report_shows_signatures_and_phases(blocks):
+    model, x = blocks
+    fast = _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 0.5}))
+    md = fast.report.to_markdown()
+    assert "## Regions" in md and "4 sites" in md
+    for phase in ("capture", "record", "verify", "measure", "confirm"):
+        assert phase in fast.report.phases
+    assert "time per phase" in md
+
+
+def test_regions_cut_out_the_rewritten_nodes_with_their_boundary():
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(ReluMLP())
+    from rewriter.capture import finish_rewrite
+    from rewriter.ir import annotate_tensor_info, copy_graph_module
+    x = torch.randn(4, 16)
+    annotate_tensor_info(gm, (x,), {})
+    cand = copy_graph_module(gm)
+    p = RewriteRelu("a")
+    sites = p.find(cand, None)
+    p.apply(cand, sites, None)
+    finish_rewrite(cand)
+    regions = find_regions(gm, cand, p.find(copy_graph_module(gm), None), "a", "graph_0")
+    assert len(regions) == 1
+    r = regions[0]
+    assert r.inputs == ["relu"] and r.outputs == ["relu"]
+    value = torch.randn(4, 32).relu()
+    assert torch.equal(r.before(value)[0], value) and torch.equal(r.after(value)[0], F.relu(value))
+
+
+def test_a_precision_pass_is_decided_first_and_regions_are_measured_in_its_dtype(blocks):
+    from rewriter.backends import CpuBackend
+    if torch.bfloat16 not in CpuBackend().amp_dtypes:
+        pytest.skip("this CPU has no fast bf16: cast_to_half does not apply")
+    model, x = blocks
+    clock = ControlledClock({"a": 0.5, "cast_to_half": 0.5})
+    fast = _opt(model, (x,), [RewriteRelu("a"), "cast_to_half"], clock, dtype=torch.bfloat16)
+    names = [d.pass_name for d in fast.report.decisions]
+    assert names[0] == "cast_to_half" and _decision(fast, "cast_to_half").kept
+    a = _decision(fast, "a")
+    assert a.kept and a.regions[0]["ran_in"] == "bfloat16"  # recorded in the bf16 graph
+    assert fast.report.plan["kept_passes"][-1] == "cast_to_half"
