@@ -253,6 +253,7 @@ def _try_pass(p: Pass, cap: Capture, job: Job, ctx: PassContext, reference: Refe
     why_not = p.applies_to(ctx)
     if why_not:
         return Decision(p.name, False, "not applicable", why_not)
+    ctx.declined.clear()  # sites the pass matches but declines record why here
     try:
         sites = [s.description for slot in cap.slots for s in slot.try_pass(p, ctx)]
     except Exception as e:
@@ -260,7 +261,7 @@ def _try_pass(p: Pass, cap: Capture, job: Job, ctx: PassContext, reference: Refe
         return Decision(p.name, False, "raised", f"{type(e).__name__}: {e}")
     if not sites:
         _reject_all(cap)
-        return Decision(p.name, False, "no sites", "no site matched")
+        return Decision(p.name, False, "no sites", "; ".join(ctx.declined) or "no site matched")
     log.info("rewriter: %s: %d site(s); verifying and measuring", p.name, len(sites))
     ok, detail, err = _verify_candidate(job, cap, reference)
     if not ok:
