@@ -67,6 +67,14 @@ class CastToHalf(Pass):
     contract = "reduced"
     devices = frozenset({"cpu", "cuda", "npu"})
 
+    def applies_to(self, ctx: PassContext) -> str | None:
+        why = super().applies_to(ctx)
+        if why is None and ctx.dtype not in ctx.backend.amp_dtypes:
+            # NPU: bfloat16 only where torch.npu.is_bf16_supported() (reference §2.4)
+            why = f"{ctx.dtype} is not a fast autocast dtype on {ctx.backend.name} here " \
+                  f"(it offers {', '.join(str(d) for d in ctx.backend.amp_dtypes) or 'none'})"
+        return why
+
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
         if ctx.dtype not in ctx.backend.amp_dtypes:
             return []  # e.g. fp16 on a CPU: no fast half GEMMs to gain

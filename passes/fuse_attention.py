@@ -14,6 +14,13 @@ Rewrites (q, k, v of shape (..., L, D), (..., S, D), (..., S, Dv))::
      scale=scale, keep_prob=1-p)[0]; reference npu_ecosystem.md §1.1)
 
 Without a scale op the fused call gets ``scale=1.0`` (SDPA's default would be 1/sqrt(D)).
+NPU training form (reference §1.1, op-plugin FlashAttentionKernelNpuOpApi.cpp): every tensor
+must be on the NPU, so the causal 2048x2048 mask is made with ``q.new_ones``; ``atten_mask``
+takes BNSS, B1SS, 11SS or SS only, so other broadcastable masks (BERT's (B, 1, 1, S)) are
+expanded first, as torch_npu's SDPA does, and ``inner_precise=2`` goes with a mask (ditto);
+declined, with the reason, off A2/A3/950, for > 256 query heads, key/value of different
+shapes, keep_prob outside (0, 1], and additive masks not provably ``where(keep, 0, -big)``
+(they would need ``pse``, whose shapes the reference does not document).
 
 Safe when: every intermediate (scores, probabilities) has no other user (attention weights
 returned to the caller must stay), the softmax is over the last dim, a boolean fill value is
@@ -171,7 +178,7 @@ def _match(out: Node) -> tuple[AttentionMatch | None, str]:
                          keep_mask=keep_mask if keep_mask is not None else fill_mask,
                          additive_mask=additive, bool_of_additive=bool_of_additive,
                          q_shape=q_info.shape, k_shape=k_shape, v_shape=v_info.shape, dtype=q_info.dtype,
-                         is_causal=causal,
+                         is_causal=causal, mask_shape=tensor_info(mask).shape if mask is not None else None,
                          k_grouped=_before_repeat_kv(k), v_grouped=_before_repeat_kv(v))
     if spec.k_grouped is None or spec.v_grouped is None:
         spec.k_grouped = spec.v_grouped = None
@@ -363,6 +370,7 @@ def _negated(graph: Any, fill_mask: Node) -> Node:
 class FuseAttention(Pass):
     name = "fuse_attention"
     contract = "exact"
+    fused_kind = "attention"
     devices = frozenset({"cpu", "cuda", "npu"})
 
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
@@ -373,6 +381,7 @@ class FuseAttention(Pass):
                 continue
             reason = ctx.backend.cannot_fuse_attention(match.spec, ctx.training)
             if reason is not None:
+                ctx.decline(f"{self.name} at {node.name}", reason)
                 continue
             s = match.spec
             mask = "causal" if s.is_causal else "additive mask" if s.additive_mask is not None else (

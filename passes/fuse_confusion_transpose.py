@@ -68,6 +68,7 @@ class FuseConfusionTranspose(Pass):
     name = "fuse_confusion_transpose"
     contract = "exact"
     devices = frozenset({"npu"})
+    fused_kind = "confusion_transpose"
 
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
         if not ctx.backend.offers("confusion_transpose"):
@@ -75,7 +76,11 @@ class FuseConfusionTranspose(Pass):
         sites = []
         for node in gm.graph.nodes:
             m = match(node)
-            if m is not None:
+            info = tensor_info(m[0]) if m is not None else None
+            why = ctx.backend.cannot_take("confusion_transpose", info.dtype) if info is not None else None
+            if why is not None:
+                ctx.decline(f"{self.name} at {node.name}", why)
+            elif m is not None:
                 sites.append(Site(node, f"{node.name}: {'permute then reshape' if m[3] else 'reshape then permute'}", m))
         return sites
 

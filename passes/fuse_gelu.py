@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import is_op, replace_node, single_user, static_number
+from rewriter.ir import is_op, replace_node, single_user, static_number, tensor_info
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -97,6 +97,16 @@ class FuseGelu(Pass):
     contract = "exact"
     devices = frozenset({"cpu", "cuda", "npu"})
 
+    def applies_to(self, ctx: PassContext) -> str | None:
+        why = super().applies_to(ctx)
+        if why is None:
+            tanh = ctx.backend.cannot_offer("gelu_tanh")
+            quick = ctx.backend.cannot_offer("quick_gelu") if ctx.dtype is not None else \
+                "quick GELU is an approximation, fused only with optimize(dtype=...)"
+            if tanh and quick:
+                why = f"{tanh}; {quick}"
+        return why
+
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
         sites = []
         for node in gm.graph.nodes:
@@ -105,6 +115,13 @@ class FuseGelu(Pass):
                 continue
             if m.kind == "quick" and (ctx.dtype is None or not ctx.backend.offers("quick_gelu")):
                 continue  # an approximation: only with dtype=, and only where a fused form exists
+            kind = "gelu_tanh" if m.kind == "tanh" else "quick_gelu"
+            info = tensor_info(m.x)
+            why = ctx.backend.cannot_offer(kind) or (
+                ctx.backend.cannot_take(kind, info.dtype) if info is not None else None)
+            if why is not None:
+                ctx.decline(f"{self.name} at {node.name}", why)
+                continue
             sites.append(Site(node, f"{node.name}: gelu ({m.kind})", m))
         return sites
 

@@ -12,6 +12,10 @@ with keepdim; ``eps`` is a number; ``w`` is 1-D of the normalised size.
 Contract: exact (one reduction instead of several: fp32 rounding only). The NPU form is used
 only without a real dtype cast between the norm and the weight (npu_rms_norm computes
 internally, so it cannot cast before the weight as HF does; reference §1.3 caveat).
+NPU (§1.3): without a weight the stand-in gamma is ``x.new_ones(D)`` (x's device and dtype:
+a documented pair on every chip); a weight of another dtype than x is declined (the op returns
+x's dtype where PyTorch promotes), as are pairs a chip does not list (bf16 on Atlas
+training/310P) and, on 310P, a tail axis under 32 bytes.
 Devices: cpu, cuda, npu.
 """
 from __future__ import annotations
@@ -107,6 +111,7 @@ def match(norm_mul: Node) -> RmsMatch | None:
 class FuseRmsNorm(Pass):
     name = "fuse_rms_norm"
     contract = "exact"
+    fused_kind = "rms_norm"
     devices = frozenset({"cpu", "cuda", "npu"})
 
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
@@ -118,7 +123,15 @@ class FuseRmsNorm(Pass):
             if m is None:
                 continue
             if ctx.backend.name == "npu" and m.weight is None and m.out is node and _casts_to_weight(node):
-                continue  # HF's cast-before-weight: the NPU op cannot reproduce it (§1.3)
+                # HF's cast-before-weight: the NPU op cannot reproduce it (§1.3)
+                ctx.decline(f"{self.name} at {node.name}", "npu_rms_norm cannot cast between the norm "
+                                                           "and the weight as this model does (§1.3)")
+                continue
+            why = ctx.backend.cannot_rms_norm(tensor_info(m.x), tensor_info(m.weight).dtype
+                                              if m.weight is not None else None)
+            if why is not None:
+                ctx.decline(f"{self.name} at {node.name}", why)
+                continue
             sites.append(Site(m.out, f"{node.name}: rms_norm over {m.dim}, eps {m.eps:g}"
                                      f"{', weight folded' if m.weight is not None else ''}", m))
         return sites

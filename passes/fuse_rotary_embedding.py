@@ -9,6 +9,9 @@ Rewrites (LLaMA / GPT-NeoX "half" rotation, ``h = D // 2``)::
 broadcast as 11SD, B1SD or BNSD for a BNSD input). The GPT-J interleaved form is not matched.
 CPU/CUDA: stock torch has no fused rotary kernel; an equivalent reordering of the same
 element-wise ops would not save memory traffic, so this pass serves the NPU only.
+The backend narrows this to what the op documents (``NpuBackend.cannot_rotary``): 4-D, cos/sin
+of x's dtype in the 11SD/B1SD/BNSD, 1S1D/BS1D/BSND or S11D/SB1D/SBND layouts, B and N < 1000;
+on chips that compile online (Atlas training, 310P) D == 128 only.
 Safe when: the halves, negation and cat feed only this rotation, cos and sin have x's last dim.
 Contract: exact.
 Devices: npu.
@@ -111,12 +114,22 @@ class FuseRotaryEmbedding(Pass):
     name = "fuse_rotary_embedding"
     contract = "exact"
     devices = frozenset({"npu"})
+    fused_kind = "rotary"
 
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
         if not ctx.backend.offers("rotary"):
             return []
-        return [Site(n, f"{n.name}: rotary on {list(tensor_info(m.x).shape)}", m)
-                for n in gm.graph.nodes if (m := match(n)) is not None]
+        sites = []
+        for n in gm.graph.nodes:
+            m = match(n)
+            if m is None:
+                continue
+            why = ctx.backend.cannot_rotary(tensor_info(m.x), tensor_info(m.cos), tensor_info(m.sin))
+            if why is not None:
+                ctx.decline(f"{self.name} at {n.name}", why)
+                continue
+            sites.append(Site(n, f"{n.name}: rotary on {list(tensor_info(m.x).shape)}", m))
+        return sites
 
     def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
         g = gm.graph

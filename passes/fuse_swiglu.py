@@ -12,6 +12,8 @@ on (§1.7); ``gelu(a) * b`` (first half) is declined: the docs contradict each o
 ``activate_left=True`` means. ``approximate`` follows the model's ``F.gelu`` (0 = erf, 1 = tanh).
 CPU/CUDA: stock torch has no fused gated activation, so these passes serve the NPU only (with
 separate gate/up projections, ``fuse_qkv_projections`` already merges the two GEMMs there).
+Chips (reference §1.6, §1.7): npu_swiglu is documented for Atlas A2 only; npu_geglu takes no
+bf16 on Atlas training/310P; the pass says so where it does not apply.
 Safe when: the halves and the activation feed only the product.
 Contract: exact (the same formula in one kernel).
 Devices: npu.
@@ -89,6 +91,17 @@ class _GatedPass(Pass):
             m = match_gated(node, self.activation, self.activated_first)
             if m is None or (self.kind == "geglu" and m.packed is None):
                 continue
+            if m.packed is not None:
+                info = tensor_info(m.packed)
+                shape, dtype = (info.shape, info.dtype) if info is not None else ((), None)
+            else:  # the two halves are concatenated on the last dim
+                info = tensor_info(m.halves[0])
+                shape, dtype = info.shape[:-1] + (2 * info.shape[-1],), info.dtype
+            why = ctx.backend.cannot_gated(self.kind, shape, dtype) if dtype is not None else \
+                "the packed input has no shape information"
+            if why is not None:
+                ctx.decline(f"{self.name} at {node.name}", why)
+                continue
             form = "packed" if m.packed is not None else "two tensors, concatenated"
             sites.append(Site(node, f"{node.name}: {self.kind} ({form})", m))
         return sites
@@ -111,6 +124,7 @@ class FuseSwiglu(_GatedPass):
     name = "fuse_swiglu"
     activation = "silu"
     kind = "swiglu"
+    fused_kind = "swiglu"
 
     def emit(self, g, ctx, packed, m):
         return ctx.backend.emit_swiglu(g, packed, -1)
@@ -120,6 +134,7 @@ class FuseGeglu(_GatedPass):
     name = "fuse_geglu"
     activation = "gelu"
     kind = "geglu"
+    fused_kind = "geglu"
     activated_first = False  # a * gelu(b): the second half is activated
 
     def emit(self, g, ctx, packed, m):

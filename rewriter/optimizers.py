@@ -8,7 +8,14 @@ device, tried in order, each gated like a graph rewrite:
   so its state stays and a learning-rate scheduler made before ``optimize()`` keeps driving it.
 * NPU: ``torch_npu.optim.NpuFused<Name>`` (reference npu_ecosystem.md §2.1) as a new object that
   shares the original's ``param_groups`` list (so schedulers still reach it) and takes over its
-  state. Constraints it documents: fp32/fp16 params only, ``zero_grad(set_to_none=True)`` refused.
+  state. Constraints it documents: fp32/fp16 params only, ``zero_grad(set_to_none=True)`` refused,
+  products Atlas training, A2 and A3 (not 310P). Taking over state needs one conversion: torch
+  keeps ``state['step']`` as a 0-d tensor, and ``torch_npu/optim/npu_fused_adamw.py`` makes the
+  group's step counter the first parameter's ``step`` object and increments it once per
+  parameter and once as the combined counter: a tensor, incremented in place, would advance
+  twice per step and skew the bias correction. The steps are handed over as Python ints, as the
+  fused optimizers create them. A group setting the fused constructor does not take (e.g.
+  ``maximize=True``) at a value other than torch's default blocks the swap, with the reason.
 * apex's ``FusedAdam``/``FusedSGD`` when apex imports (CUDA).
 
 The gate measures the update step alone on scratch copies of the parameters and state (the
@@ -19,13 +26,14 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from rewriter.backends import Backend, import_torch_npu
+from rewriter.backends import Backend, NpuBackend, import_torch_npu
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,13 @@ class OptimizerCandidate:
     description: str
     flags: dict[str, Any] | None = None              # in place: group flags to set
     factory: Callable[[list[dict]], torch.optim.Optimizer] | None = None  # replacement object
+    # Adapts state taken over from the original (after load_state_dict or a copy).
+    adopt_state: Callable[[torch.optim.Optimizer], None] | None = None
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if self.adopt_state is not None:
+            self.adopt_state(optimizer)
+        return optimizer
 
     def build(self, original: torch.optim.Optimizer, param_groups: list[dict]) -> torch.optim.Optimizer:
         """A fused optimizer over ``param_groups`` (scratch copies when measuring)."""
@@ -67,7 +82,7 @@ class OptimizerCandidate:
         new = self.factory(optimizer.param_groups)  # type: ignore[misc]
         new.load_state_dict(optimizer.state_dict())
         new.param_groups = optimizer.param_groups  # same list: schedulers keep reaching it
-        return new
+        return self.adopt(new)
 
     def twin(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The fused form over the same parameters with a copy of the state, leaving
@@ -76,7 +91,7 @@ class OptimizerCandidate:
         twin.load_state_dict(optimizer.state_dict())  # also loads the old flags back:
         if self.flags is not None:
             set_flags(twin, self.flags)
-        return twin
+        return self.adopt(twin)
 
 
 def set_flags(optimizer: torch.optim.Optimizer, flags: dict[str, Any]) -> None:
@@ -102,7 +117,7 @@ def candidates(optimizer: torch.optim.Optimizer, backend: Backend) -> tuple[list
     if any(g.get("differentiable") for g in groups):
         return [], f"{name}(differentiable=True) has no fused form"
     if backend.name == "npu":
-        return _npu_candidates(optimizer, name), f"torch_npu has no fused {name}"
+        return _npu_candidates(optimizer, name, backend)
     found = []
     if name in _TORCH_FUSED and _fused_dtypes_ok(optimizer):
         found.append(OptimizerCandidate(f"torch.optim.{name}(fused=True), in place",
@@ -118,20 +133,68 @@ def _fused_dtypes_ok(optimizer: torch.optim.Optimizer) -> bool:
     return all(p.is_floating_point() and not p.is_sparse for g in optimizer.param_groups for p in g["params"])
 
 
-def _npu_candidates(optimizer: torch.optim.Optimizer, name: str) -> list[OptimizerCandidate]:
+def _npu_candidates(optimizer: torch.optim.Optimizer, name: str, backend: Backend
+                    ) -> tuple[list[OptimizerCandidate], str]:
+    """The torch_npu fused form of ``optimizer``, or ([], which condition rules it out)."""
     torch_npu = import_torch_npu()
     allowed = _NPU_FUSED_ARGS.get(name)
-    if torch_npu is None or allowed is None or not hasattr(torch_npu.optim, f"NpuFused{name}"):
-        return []
-    if any(p.dtype not in (torch.float32, torch.float16) for g in optimizer.param_groups for p in g["params"]):
-        return []  # NpuFused* raise TypeError for other dtypes (bf16 included), §2.1
+    if torch_npu is None:
+        return [], "torch_npu does not import here"
+    if allowed is None or not hasattr(torch_npu.optim, f"NpuFused{name}"):
+        return [], f"torch_npu has no fused {name}"
+    why = _fused_optimizer_gate(backend)  # products: Atlas training, A2, A3 (§2.1); the version floor
+    if why:
+        return [], why
+    dtypes = sorted({str(p.dtype) for g in optimizer.param_groups for p in g["params"]
+                     if p.dtype not in (torch.float32, torch.float16)})
+    if dtypes:  # NpuFused* raise TypeError for other dtypes (bf16 included), §2.1
+        return [], f"torch_npu's NpuFused{name} takes fp32/fp16 parameters only, not {', '.join(dtypes)} (§2.1)"
+    dropped = _settings_it_cannot_take(optimizer, allowed)
+    if dropped:
+        return [], f"torch_npu's NpuFused{name} has no {', '.join(dropped)}: the swap would drop it (§2.1)"
     cls = getattr(torch_npu.optim, f"NpuFused{name}")
 
     def factory(param_groups: list[dict]) -> torch.optim.Optimizer:
         groups = [{"params": g["params"], **{k: g[k] for k in allowed if k in g}} for g in param_groups]
         return cls(groups)
     return [OptimizerCandidate(f"torch_npu.optim.NpuFused{name} (new object sharing param_groups)",
-                               factory=factory)]
+                               factory=factory, adopt_state=steps_as_ints)], ""
+
+
+def _fused_optimizer_gate(backend: Backend) -> str | None:
+    caps = backend.capabilities() if isinstance(backend, NpuBackend) else None
+    return caps.cannot_run("fused_optimizer") if caps is not None else None
+
+
+# Group keys that change nothing numerically (kernel choice, bookkeeping) or that schedulers add.
+_NEUTRAL_SETTINGS = {"params", "foreach", "fused", "capturable", "differentiable", "initial_lr", "name"}
+
+
+def _settings_it_cannot_take(optimizer: torch.optim.Optimizer, allowed: tuple[str, ...]) -> list[str]:
+    """``key=value`` for group settings outside ``allowed`` that differ from the torch
+    optimizer's own default (``maximize=True``, ``decoupled_weight_decay=True``, ...)."""
+    try:
+        defaults = {k: p.default for k, p in inspect.signature(type(optimizer).__init__).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+    except (TypeError, ValueError):
+        defaults = {}
+    found = []
+    for g in optimizer.param_groups:
+        for key, value in g.items():
+            if key in allowed or key in _NEUTRAL_SETTINGS or key not in defaults:
+                continue
+            if value != defaults[key] and f"{key}={value!r}" not in found:
+                found.append(f"{key}={value!r}")
+    return found
+
+
+def steps_as_ints(optimizer: torch.optim.Optimizer) -> None:
+    """Turn tensor ``state['step']`` counters into Python ints (see the module docstring: a
+    tensor step would be advanced twice per step by torch_npu's fused optimizers)."""
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            state["step"] = int(step.item())
 
 
 def _apex_candidates(optimizer: torch.optim.Optimizer, name: str, backend: Backend) -> list[OptimizerCandidate]:
@@ -186,6 +249,8 @@ def scratch_optimizer(optimizer: torch.optim.Optimizer, candidate: OptimizerCand
         opt = candidate.build(optimizer, groups)
     for p, st in state.items():
         opt.state[p] = st
+    if candidate is not None:
+        candidate.adopt(opt)
     if candidate is not None and candidate.flags and candidate.flags.get("fused"):
         set_flags(opt, candidate.flags)  # moves the copied step counters where fused wants them
     return opt, clones

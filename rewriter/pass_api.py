@@ -18,7 +18,8 @@ A pass finds sites in one captured graph and rewrites them; it never measures (t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
@@ -26,6 +27,8 @@ from torch.fx import GraphModule
 
 if TYPE_CHECKING:
     from rewriter.backends import Backend
+
+log = logging.getLogger(__name__)
 
 Contract = Literal["exact", "reduced"]
 
@@ -47,6 +50,14 @@ class PassContext:
     training: bool
     dtype: torch.dtype | None = None
     region: bool = False  # finding in a standalone region graph (its inputs may be half already)
+    # Why matched sites were declined (a device limit, a mask it cannot take), newest last:
+    # ``decline()`` appends; whoever reports a pass that found no site reads and clears it.
+    declined: list[str] = field(default_factory=list, compare=False, repr=False)
+
+    def decline(self, where: str, reason: str) -> None:
+        """Record that the site at ``where`` matched but is declined, and why."""
+        log.info("rewriter: %s declined: %s", where, reason)
+        self.declined.append(f"{where}: {reason}")
 
 
 class Pass:
@@ -63,6 +74,9 @@ class Pass:
     # Decides the precision everything else runs in: tried first, then applied on top of every
     # variant measured after it (rewriter.pipeline), so fusions are measured in that dtype.
     sets_precision: ClassVar[bool] = False
+    # The fused replacement this pass asks the backend for ("rms_norm", "attention", ...), if
+    # any: where the backend cannot emit it here (chip, torch_npu version), the pass does not apply.
+    fused_kind: ClassVar[str | None] = None
 
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
         raise NotImplementedError(f"{type(self).__name__}.find")
@@ -76,6 +90,8 @@ class Pass:
             return f"serves {', '.join(sorted(self.devices))}, not {ctx.backend.name}"
         if self.contract == "reduced" and ctx.dtype is None:
             return "lowers precision; enabled only with optimize(dtype=...)"
+        if self.fused_kind is not None:
+            return ctx.backend.cannot_offer(self.fused_kind, training=ctx.training)
         return None
 
     def __repr__(self) -> str:

@@ -229,6 +229,7 @@ class Run:
         if why_not:
             return Decision(p.name, False, "not applicable", why_not, scope=p.scope)
         cap = self.cap
+        self.ctx.declined.clear()  # sites the pass matches but declines record why here
         try:
             sites = {slot.name: slot.try_pass(p, self.ctx) for slot in cap.slots}
         except Exception as e:
@@ -237,7 +238,8 @@ class Run:
         descriptions = [s.description for found in sites.values() for s in found]
         if not descriptions:
             self._reject_all()
-            return Decision(p.name, False, "no sites", "no site matched", scope=p.scope)
+            return Decision(p.name, False, "no sites", "; ".join(self.ctx.declined) or "no site matched",
+                            scope=p.scope)
         log.info("rewriter: %s: %d site(s)", p.name, len(descriptions))
         if p.scope == "site":
             regions, why = self._regions(p, sites)

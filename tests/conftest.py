@@ -33,3 +33,27 @@ def fake_torch_npu(monkeypatch):
 @pytest.fixture
 def seeded():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def emulate(monkeypatch):
+    """``emulate(chip, version)``: put the strict shim in sys.modules as ``torch_npu``,
+    emulating that SoC name and torch_npu version; returns the module."""
+    def put(chip=npu_shim.A2_CHIP, version=npu_shim.NEWEST_VERSION):
+        module = npu_shim.as_module(chip, version)
+        monkeypatch.setitem(sys.modules, "torch_npu", module)
+        return module
+    return put
+
+
+# The chips and versions every NPU form is checked under: an Atlas A2 training part and an
+# Atlas 300I/310P part at the oldest torch_npu the project claims, and A2 at the newest.
+NPU_TARGETS = [(npu_shim.A2_CHIP, npu_shim.OLDEST_VERSION), (npu_shim.P310_CHIP, npu_shim.OLDEST_VERSION),
+               (npu_shim.A2_CHIP, npu_shim.NEWEST_VERSION)]
+
+
+@pytest.fixture(params=NPU_TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
+def npu_target(request, emulate):
+    """The strict shim emulating each of NPU_TARGETS in turn; yields (module, chip)."""
+    chip, version = request.param
+    return emulate(chip, version), chip

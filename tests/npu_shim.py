@@ -1,11 +1,27 @@
-"""A test-only stand-in for ``torch_npu``: the documented semantics of the ops rewriter emits,
-in plain torch, so the NPU forms of passes can be checked on a machine without an NPU.
+"""A test-only stand-in for ``torch_npu``, strict: what the kernels check, in plain torch.
 
-It implements what ``../shared/reference/npu_ecosystem.md`` documents, nothing more:
-* ``npu_fusion_attention`` (§1.1): ``Dropout(Softmax(Mask(scale * (pse + q @ k^T), atten_mask)),
-  keep_prob) @ v``; ``atten_mask`` True = masked out; ``scale`` defaults to 1.0; layouts BNSD,
-  BSND, BSH; returns the 7-tuple whose first element is the attention output.
-* ``optim.NpuFusedAdamW`` (§2.1): the documented constructor and constraints over torch's AdamW.
+It implements what ``../shared/reference/npu_ecosystem.md`` documents and what torch_npu's
+sources check, nothing more, so that the NPU forms of passes can be checked on a machine
+without an NPU. It emulates one chip model and one torch_npu version, given to
+:func:`as_module` (the ``fake_torch_npu`` fixture: an Atlas A2 part and the newest release):
+
+* ``npu.get_device_name()`` returns the emulated SoC name, ``npu.is_bf16_supported()`` is
+  True on A2/A3 only, and ops a release does not have are absent from the module (npu_gelu
+  before TorchNPU 6.0.0).
+* Every op checks what its kernel checks: **every tensor on the first input's device**
+  (``format_trans`` in op-plugin's FlashAttentionKernelNpuOpApi.cpp: "only npu tensor is
+  supported"; run the graph on ``meta`` and a tensor made on the CPU shows up), the products
+  its docs list, its documented dtypes (and dtype pairs), ranks and shape limits.
+* ``npu_fusion_attention`` (§1.1): ``Dropout(Softmax(Mask(scale * (pse + q @ k^T),
+  atten_mask)), keep_prob) @ v``; ``atten_mask`` bool/uint8, True = masked out, shaped BNSS,
+  B1SS, 11SS or SS (sparse_mode 2: the compressed 2048x2048 triu mask); ``scale`` defaults to
+  1.0; query heads 1-256, a multiple of the key heads; key and value of one shape; Dq == Dk <=
+  768; ``keep_prob`` in (0, 1]; layouts BNSD, BSND, BSH; returns the 7-tuple.
+* ``optim.NpuFusedAdam`` / ``NpuFusedAdamW`` (§2.1): the documented constructors and
+  constraints, and the update as ``torch_npu/optim/npu_fused_adamw.py`` runs it: the group's
+  step counter is the first parameter's ``state['step']`` object, incremented once through
+  every parameter's state and once more as the combined counter (so a 0-d tensor ``step``,
+  which torch's optimizers keep, advances twice per step).
 * ``npu.is_available/synchronize/get_rng_state_all/set_rng_state_all`` and
   ``profiler.ProfilerActivity`` (CPU, NPU), mapped onto the CPU.
 
@@ -13,11 +29,61 @@ Never shipped in the package: the tests place it in ``sys.modules`` through a fi
 """
 from __future__ import annotations
 
+import math
 import types
 
 import torch
 
-__version__ = "2.13.0.shim"
+# Emulated chips (SoC names as torch.npu.get_device_name() returns them, NpuVariables.cpp).
+A2_CHIP = "Ascend910B2"      # Atlas A2 training
+P310_CHIP = "Ascend310P3"    # Atlas 300I Pro / Duo (Atlas inference, 310P)
+A3_CHIP = "Ascend910_9392"   # Atlas A3
+TRAINING_CHIP = "Ascend910A"  # Atlas training (910)
+# Emulated torch_npu versions: the oldest the project claims (TorchNPU 6.0.0), the newest in
+# Ascend/pytorch COMPATIBILITY.en.md (26.1.0), and one below the floor (6.0.rc3: no npu_gelu).
+OLDEST_VERSION = "2.4.0.post2"
+NEWEST_VERSION = "2.12.0"
+TOO_OLD_VERSION = "2.4.0"
+
+_emulated = {"chip": A2_CHIP, "version": NEWEST_VERSION}
+__version__ = NEWEST_VERSION
+
+_F16, _BF16, _F32 = torch.float16, torch.bfloat16, torch.float32
+
+
+def _family() -> str:
+    chip = _emulated["chip"]
+    if chip in ("Ascend910PremiumA", "Ascend910ProA", "Ascend910A", "Ascend910ProB", "Ascend910B"):
+        return "training"
+    if chip.startswith("Ascend910B"):
+        return "A2"
+    if chip.startswith("Ascend910_93"):
+        return "A3"
+    if chip.startswith("Ascend310P"):
+        return "310P"
+    return "other"
+
+
+def _on_one_device(op, first, **tensors):
+    """Every tensor on ``first``'s device, as op-plugin's kernels require of NPU tensors."""
+    for name, t in tensors.items():
+        if t is not None and t.device != first.device:
+            raise RuntimeError(f"{op}: Expected all tensors to be on the same device, but {name} is on "
+                               f"{t.device} and the input on {first.device} (only npu tensor is supported)")
+
+
+def _products(op, families):
+    if _family() not in families:
+        raise RuntimeError(f"{op} is not supported on {_emulated['chip']}")
+
+
+def _dtypes(op, t, allowed):
+    if t.dtype not in allowed:
+        raise TypeError(f"{op}: dtype {t.dtype} is not supported on {_emulated['chip']}")
+
+
+def _float_dtypes(bf16_families):
+    return {_F16, _F32} | ({_BF16} if _family() in bf16_families else set())
 
 
 def _to_bnsd(x: torch.Tensor, layout: str, head_num: int) -> torch.Tensor:
@@ -36,13 +102,38 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
                          next_tockens=2147483647, inner_precise=0, prefix=None,
                          actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
                          gen_mask_parallel=True, sync=False):
+    op = "npu_fusion_attention"
+    _products(op, ("A2", "A3"))  # Atlas A2 training (+ Ascend 950DT, A3 via SDPA's routing), §1.1
     if sparse_mode not in (0, 2) or padding_mask is not None or prefix is not None:
         raise NotImplementedError("shim: only sparse_mode 0 and 2, without padding_mask/prefix")
+    _on_one_device(op, query, key=key, value=value, pse=pse, atten_mask=atten_mask)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() not in (3, 4):
+            raise RuntimeError(f"{op}: The shapes of the input {name} should be 3 or 4 dimensional")
+    if not 0 < keep_prob <= 1:
+        raise RuntimeError(f"{op}: The keep_prob value must be in range of (0, 1], but got {keep_prob}")
+    _dtypes(op, query, _float_dtypes(("A2", "A3")))
+    if not (query.dtype == key.dtype == value.dtype) or (pse is not None and pse.dtype != query.dtype):
+        raise TypeError(f"{op}: query, key, value (and pse) must share a dtype")
     q = _to_bnsd(query, input_layout, head_num)
     k = _to_bnsd(key, input_layout, head_num)
     v = _to_bnsd(value, input_layout, head_num)
-    if k.shape[1] != q.shape[1]:  # GQA: Nq % Nkv == 0
-        rep = q.shape[1] // k.shape[1]
+    b, n, sq, d = q.shape
+    skv = k.shape[2]
+    if n != head_num or not 1 <= n <= 256:
+        raise RuntimeError(f"{op}: head_num {head_num} must be the query's heads {n}, in 1..256")
+    if k.shape != v.shape:
+        raise RuntimeError(f"{op}: key {tuple(k.shape)} and value {tuple(v.shape)} must have one shape")
+    if k.shape[-1] != d or not 1 <= d <= 768 or n % k.shape[1]:
+        raise RuntimeError(f"{op}: needs Dq == Dk in 1..768 and Nq % Nkv == 0, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if atten_mask is not None:
+        _dtypes(op + " atten_mask", atten_mask, (torch.bool, torch.uint8))
+        want = [(2048, 2048)] if sparse_mode == 2 else [(b, n, sq, skv), (b, 1, sq, skv), (1, 1, sq, skv), (sq, skv)]
+        if tuple(atten_mask.shape) not in want:
+            raise RuntimeError(f"{op}: atten_mask {tuple(atten_mask.shape)} is none of "
+                               f"{'the compressed 2048x2048' if sparse_mode == 2 else 'BNSS, B1SS, 11SS, SS'}")
+    if k.shape[1] != n:  # GQA: Nq % Nkv == 0
+        rep = n // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = q @ k.transpose(-2, -1)
     if pse is not None:
@@ -50,11 +141,13 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     scores = scores * scale
     if sparse_mode == 2:
         # leftUpCausal: atten_mask must be the compressed 2048x2048 triu(1) mask (§1.1)
-        expected = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)
-        if atten_mask is None or not torch.equal(atten_mask.bool(), expected):
+        if atten_mask is None:
             raise ValueError("sparse_mode=2 expects the compressed 2048x2048 triu mask")
-        L, S = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), float("-inf"))
+        if atten_mask.device.type != "meta":
+            expected = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=atten_mask.device), 1)
+            if not torch.equal(atten_mask.bool(), expected):
+                raise ValueError("sparse_mode=2 expects the compressed 2048x2048 triu mask")
+        scores = scores.masked_fill(torch.ones(sq, skv, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     elif atten_mask is not None:
         scores = scores.masked_fill(atten_mask.bool(), float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
@@ -65,8 +158,8 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
         out = out.transpose(1, 2)
     elif input_layout == "BSH":
         out = out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1)
-    stats = torch.zeros(q.shape[:-1] + (8,), dtype=torch.float32)
-    return out, stats, stats, torch.empty(0), 0, 0, 0
+    stats = torch.zeros(q.shape[:-1] + (8,), dtype=torch.float32, device=q.device)
+    return out, stats, stats, torch.empty(0, device=q.device), 0, 0, 0
 
 
 class _Activity:
@@ -79,33 +172,48 @@ npu = types.SimpleNamespace(
     synchronize=lambda: None,
     get_rng_state_all=lambda: [torch.get_rng_state()],
     set_rng_state_all=lambda states: torch.set_rng_state(states[0]),
+    get_device_name=lambda device=None: _emulated["chip"],
+    is_bf16_supported=lambda: _family() in ("A2", "A3"),
 )
 profiler = types.SimpleNamespace(ProfilerActivity=_Activity)
 
+# TorchNPU release each op arrived in (issue 18's audit; reference §1), and the release of
+# each emulated version (COMPATIBILITY.en.md branch names).
+_RELEASE_OF = {TOO_OLD_VERSION: (6, 0, -1), OLDEST_VERSION: (6, 0, 0), NEWEST_VERSION: (26, 1, 0)}
+_SINCE = {"npu_fusion_attention": (5, 0, -1), "npu_rms_norm": (5, 0, 0), "npu_swiglu": (6, 0, -1),
+          "npu_geglu": (6, 0, -1), "npu_gelu": (6, 0, 0)}
 
-def as_module() -> types.ModuleType:
+
+def as_module(chip: str = A2_CHIP, version: str = NEWEST_VERSION) -> types.ModuleType:
+    """A ``torch_npu`` module emulating ``chip`` (a SoC name) and torch_npu ``version``."""
+    if version not in _RELEASE_OF:
+        raise ValueError(f"shim: no release known for torch_npu {version}")
+    _emulated.update(chip=chip, version=version)
     mod = types.ModuleType("torch_npu")
-    mod.__version__ = __version__
-    mod.npu_fusion_attention = npu_fusion_attention
-    for op in _FUSED_OPS:
-        setattr(mod, op.__name__, op)
+    mod.__version__ = version
+    for op in (npu_fusion_attention,) + _FUSED_OPS:
+        if _RELEASE_OF[version] >= _SINCE.get(op.__name__, (0,)):
+            setattr(mod, op.__name__, op)
     mod.npu = npu
     mod.profiler = profiler
     mod.optim = optim
     return mod
 
 
-class NpuFusedAdamW(torch.optim.AdamW):
-    """Constructor as documented (§2.1): (params, lr=1e-3, betas=(0.9,0.999), eps=1e-8,
-    weight_decay=1e-2, amsgrad=False); fp32/fp16 params only; set_to_none refused."""
+class _NpuFusedAdamBase(torch.optim.Optimizer):
+    """torch_npu's NpuFusedAdam/AdamW (§2.1, ``torch_npu/optim/npu_fused_adamw.py``), without the
+    buffer flattening: fp32/fp16 params only, ``set_to_none`` refused, products Atlas training,
+    A2, A3, and the step counter as that file keeps it (see the module docstring)."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         amsgrad=amsgrad, foreach=False)
+    decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad))
         for g in self.param_groups:
             for p in g["params"]:
                 if p.dtype not in (torch.float32, torch.float16):
                     raise TypeError("Fused optimizer's parameters must be either float32 or float16")
+        self._combined_step = {}
 
     def zero_grad(self, set_to_none=False):
         if set_to_none:
@@ -116,8 +224,63 @@ class NpuFusedAdamW(torch.optim.AdamW):
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        _products(type(self).__name__, ("A2", "A3", "training"))
+        loss = closure() if closure is not None else None
+        for gi, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if gi not in self._combined_step:  # _combine_group_param_states, on the first step
+                for p in params:
+                    state = self.state[p]
+                    if len(state) == 0:
+                        state["step"] = 0
+                        state["exp_avg"] = torch.zeros_like(p)
+                        state["exp_avg_sq"] = torch.zeros_like(p)
+                        if group["amsgrad"]:
+                            state["max_exp_avg_sq"] = torch.zeros_like(p)
+                # combined_step = step_list[0]: the same object when it is a tensor
+                self._combined_step[gi] = {"step": self.state[params[0]]["step"]}
+            for p in params:  # _group_step: every parameter's counter ...
+                self.state[p]["step"] += 1
+            combined = self._combined_step[gi]
+            combined["step"] += 1  # ... and the combined one
+            beta1, beta2 = group["betas"]
+            bias_correction1 = 1 - beta1 ** combined["step"]
+            bias_correction2 = 1 - beta2 ** combined["step"]
+            for p in params:
+                state, grad = self.state[p], p.grad
+                if self.decoupled:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                elif group["weight_decay"]:
+                    grad = grad.add(p, alpha=group["weight_decay"])
+                state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                sq = state["exp_avg_sq"]
+                if group["amsgrad"]:
+                    torch.max(state["max_exp_avg_sq"], sq, out=state["max_exp_avg_sq"])
+                    sq = state["max_exp_avg_sq"]
+                denom = (sq.sqrt() / math.sqrt(bias_correction2)).add_(group["eps"])
+                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bias_correction1)
+        return loss
 
-optim = types.SimpleNamespace(NpuFusedAdamW=NpuFusedAdamW)
+
+class NpuFusedAdamW(_NpuFusedAdamBase):
+    """(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad)
+
+
+class NpuFusedAdam(_NpuFusedAdamBase):
+    """(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False); L2 decay."""
+
+    decoupled = False
+
+
+optim = types.SimpleNamespace(NpuFusedAdamW=NpuFusedAdamW, NpuFusedAdam=NpuFusedAdam)
 
 
 # --- torch_npu.profiler (reference §3) ---------------------------------------------------------
@@ -389,9 +552,26 @@ profiler.profile = _ShimProfile
 profiler.tensorboard_trace_handler = tensorboard_trace_handler
 
 
-# --- fused element-wise ops (reference §1.3-1.10), documented formulas in plain torch --------
+# --- fused element-wise ops (reference §1.3-1.10): documented formulas and constraints --------
+
+_ALL_FOUR = ("A2", "A3", "training", "310P")
+
 
 def npu_rms_norm(x, gamma, epsilon=1e-6):
+    """§1.3: gamma = x's trailing dims; x 2-8-D; (x, gamma) dtype pairs per chip; 310P: tail
+    axis >= 32 bytes; y in x's dtype, rstd fp32."""
+    op = "npu_rms_norm"
+    _products(op, _ALL_FOUR)
+    _on_one_device(op, x, gamma=gamma)
+    if not 2 <= x.ndim <= 8 or tuple(gamma.shape) != tuple(x.shape[x.ndim - gamma.ndim:]):
+        raise RuntimeError(f"{op}: x {tuple(x.shape)} (2-8-D) and gamma {tuple(gamma.shape)} (its trailing dims)")
+    pairs = {(_F16, _F16), (_F32, _F32)}
+    if _family() in ("A2", "A3"):
+        pairs |= {(_F16, _F32), (_BF16, _F32), (_BF16, _BF16)}
+    if (x.dtype, gamma.dtype) not in pairs:
+        raise TypeError(f"{op}: (x, gamma) dtypes ({x.dtype}, {gamma.dtype}) are not supported on {_emulated['chip']}")
+    if _family() == "310P" and x.shape[-1] * x.element_size() < 32:
+        raise RuntimeError(f"{op}: the tail axis must be at least 32 bytes on {_emulated['chip']}")
     dims = tuple(range(x.ndim - gamma.ndim, x.ndim))
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + epsilon)
@@ -399,21 +579,37 @@ def npu_rms_norm(x, gamma, epsilon=1e-6):
 
 
 def npu_gelu(x, *, approximate="none"):
+    """op-plugin torch_npu-npu_gelu.md: Atlas inference, A2, Atlas training; bf16 on A2 only."""
+    _products("npu_gelu", ("A2", "training", "310P"))
+    _dtypes("npu_gelu", x, {_F16, _F32} | ({_BF16} if _family() == "A2" else set()))
     return torch.nn.functional.gelu(x, approximate=approximate)
 
 
 def npu_fast_gelu(x):
+    """§1.8: fp16/fp32, bf16 on A2/A3."""
+    _products("npu_fast_gelu", _ALL_FOUR)
+    _dtypes("npu_fast_gelu", x, _float_dtypes(("A2", "A3")))
     return x / (1 + torch.exp(-1.702 * x))  # the A2/A3 formula
 
 
 def npu_swiglu(x, dim=-1):
+    """§1.6: Atlas A2 only; 1-8-D, even along ``dim``, contiguous; fp32/fp16/bf16."""
+    _products("npu_swiglu", ("A2",))
+    _dtypes("npu_swiglu", x, {_F16, _BF16, _F32})
     if not x.is_contiguous():
         raise RuntimeError("npu_swiglu: non-contiguous input is not supported")
+    if not 1 <= x.ndim <= 8 or x.shape[dim] % 2:
+        raise RuntimeError(f"npu_swiglu: 1-8-D input with an even size along dim {dim}, got {tuple(x.shape)}")
     a, b = x.chunk(2, dim)
     return torch.nn.functional.silu(a) * b
 
 
 def npu_geglu(x, dim=-1, approximate=1, activate_left=False):
+    """§1.7: even along ``dim``; bf16 not on Atlas training/310P."""
+    _products("npu_geglu", _ALL_FOUR)
+    _dtypes("npu_geglu", x, _float_dtypes(("A2", "A3")))
+    if not 1 <= x.ndim <= 8 or x.shape[dim] % 2:
+        raise RuntimeError(f"npu_geglu: 1-8-D input with an even size along dim {dim}, got {tuple(x.shape)}")
     a, b = x.chunk(2, dim)
     mode = "tanh" if approximate == 1 else "none"
     if activate_left:
@@ -423,14 +619,45 @@ def npu_geglu(x, dim=-1, approximate=1, activate_left=False):
     return a * gelu, gelu
 
 
+def _rotary_layout(x, r):
+    """(B, N) of ``x`` read through the layout ``r``'s shape documents, or None."""
+    a, b, c, d = x.shape
+    return {(1, 1, c, d): (a, b), (a, 1, c, d): (a, b), (a, b, c, d): (a, b),   # BNSD
+            (1, b, 1, d): (a, c), (a, b, 1, d): (a, c),                         # BSND
+            (a, 1, 1, d): (b, c)}.get(tuple(r.shape))                          # SBND
+
+
 def npu_rotary_mul(x, r1, r2, rotary_mode="half"):
+    """§1.5 / torch_npu-npu_rotary_mul.md: one device and dtype for x, r1, r2; A2/A3: D even and
+    < 896, B and N < 1000, tables 11SD/B1SD/BNSD, 1S1D/BS1D/BSND, S11D/SB1D/SBND (4-D here);
+    Atlas training/310P compile online: 4-D, D == 128, B and N <= 1000."""
+    op = "npu_rotary_mul"
     if rotary_mode != "half":
         raise NotImplementedError("shim: only rotary_mode='half'")
+    _products(op, _ALL_FOUR)
+    _on_one_device(op, x, r1=r1, r2=r2)
+    _dtypes(op, x, _float_dtypes(("A2", "A3")))
+    if r1.dtype != x.dtype or r2.dtype != x.dtype:
+        raise TypeError(f"{op}: r1/r2 dtypes ({r1.dtype}, {r2.dtype}) differ from input's {x.dtype}")
+    if x.ndim != 4:
+        raise NotImplementedError("shim: only 4-D input (the 3-D TND form is not emulated)")
+    bn = _rotary_layout(x, r1)
+    if bn is None or tuple(r2.shape) != tuple(r1.shape):
+        raise RuntimeError(f"{op}: r1 {tuple(r1.shape)} / r2 {tuple(r2.shape)} is no documented layout for {tuple(x.shape)}")
+    d = x.shape[-1]
+    if _family() in ("training", "310P"):
+        if d != 128 or max(bn) > 1000:
+            raise RuntimeError(f"{op}: with jit_compile=True: 4-D, D == 128, B and N <= 1000; got {tuple(x.shape)}")
+    elif d % 2 or d >= 896 or max(bn) >= 1000:
+        raise RuntimeError(f"{op}: D even and < 896, B and N < 1000; got {tuple(x.shape)}")
     x1, x2 = x.chunk(2, -1)
     return x * r1 + torch.cat((-x2, x1), -1) * r2
 
 
 def npu_confusion_transpose(x, perm, shape, transpose_first):
+    """§1.10: fp16/fp32 and integers, no bf16."""
+    _products("npu_confusion_transpose", _ALL_FOUR)
+    _dtypes("npu_confusion_transpose", x, {_F16, _F32, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
     if transpose_first:
         return x.permute(perm).reshape(shape)
     return x.reshape(shape).permute(perm)
