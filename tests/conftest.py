@@ -25,3 +25,12 @@ def fake_torch_npu(monkeypatch):
 @pytest.fixture
 def seeded():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_peaks_cache(tmp_path_factory):
+    """Peaks measured for the roofline are cached per machine; tests keep theirs out of ~/.cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("REWRITER_CACHE_DIR", str(tmp_path_factory.mktemp("rewriter-cache")))
+    yield
+    mp.undo()
