@@ -25,7 +25,7 @@ import linecache
 import os
 import re
 from dataclasses import asdict, dataclass, replace
-from typing import Iterable, Sequence
+from typing import Sequence
 
 __all__ = ["Origin", "origin_from_frames", "backward_origin", "is_python_frame", "user_frame"]
 
@@ -218,11 +218,3 @@ def backward_origin(forward: Origin | None, grad_fn: str) -> Origin | None:
     if forward is None:
         return None
     return replace(forward, backward=True, grad_fn=grad_fn)
-
-
-def grad_fn_of(frames: Iterable[str]) -> str | None:
-    """``MmBackward0`` from ``autograd::engine::evaluate_function: MmBackward0`` among frames."""
-    for name in frames:
-        if name.startswith("autograd::engine::evaluate_function: "):
-            return name.split(": ", 1)[1]
-    return None

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from rewriter.attribution import Origin, backward_origin, grad_fn_of, origin_from_frames
+from rewriter.attribution import Origin, backward_origin, origin_from_frames
 from rewriter.opcost import OpCost, op_cost
 
 __all__ = ["OpCall", "calls_from_torch", "calls_from_ascend", "parse_npu_shapes"]

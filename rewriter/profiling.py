@@ -423,7 +423,7 @@ def with_analysis(result: ProfileResult, analysis: OpAnalysis) -> ProfileResult:
     return result
 
 
-def _analysis_notes(analysis: OpAnalysis, peaks: Peaks | None, peaks_note: str) -> OpAnalysis:
+def _analysis_notes(analysis: OpAnalysis, peaks_note: str) -> OpAnalysis:
     if peaks_note:
         analysis.notes.append(peaks_note)
     return analysis
@@ -441,7 +441,7 @@ def _result_from_torch(prof: Any, backend: Backend, settings: ProfileSettings, l
     if settings.record_shapes:
         step_us = 1e3 * result.step_ms  # the table's 100%, so shares agree with it
         analysis = analyze(calls_from_torch(prof.events()), peaks, settings.active, step_us=step_us)
-        with_analysis(result, _analysis_notes(analysis, peaks, peaks_note))
+        with_analysis(result, _analysis_notes(analysis, peaks_note))
     if settings.profile_memory:
         result.peak_memory_mb = _kineto_peak_mb(prof, backend.device_type)
         if result.peak_memory_mb is not None:
@@ -560,7 +560,7 @@ def _result_from_ascend(root: str, backend: Backend, settings: ProfileSettings, 
         if os.path.exists(os.path.join(out, "kernel_details.csv")):
             analysis.notes.append("roofline from kernel_details.csv (device kernels); model lines "
                                   "from operator_details.csv's Call Stack")
-        with_analysis(result, _analysis_notes(analysis, peaks, peaks_note))
+        with_analysis(result, _analysis_notes(analysis, peaks_note))
     if settings.profile_memory:
         result.peak_memory_mb = _npu_peak_mb(os.path.join(out, "operator_memory.csv"))
         if result.peak_memory_mb is not None:

@@ -257,3 +257,25 @@ def test_npu_kernel_details_give_the_roofline_and_operator_stacks_the_lines(tmp_
     assert a.rows[0].bound == "compute" and a.rows[0].dtype == "FLOAT16"
     (o,) = a.outliers
     assert o.row.signature == ((256, 1000), (1000, 256))
+
+
+def test_roofline_chart_is_a_png_or_the_table_says_what_it_would_show(tmp_path, monkeypatch):
+    calls = _calls("aten::mm", ((1, 1),), 2, 10_000, 5e8, 5e6) + \
+        _calls("aten::add", ((1,),), 1, 4_000, 1e6, 1.2e7, "elementwise")
+    a = analyze(calls, PEAKS)
+    try:
+        import matplotlib  # noqa: F401
+        from rewriter.roofline import plot_roofline
+        with open(plot_roofline(a.rows, PEAKS, tmp_path / "r.png"), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    except ImportError:
+        pass
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now raises ImportError
+    from rewriter.profiling import OpRow, ProfileResult
+    result = ProfileResult("p", "cpu", 1, [OpRow("aten::mm", 2, 20.0, 20.0, 0.8), OpRow("aten::add", 1, 4.0, 4.0, 0.2)])
+    result.analysis = a
+    paths = result.save(tmp_path / "out")
+    assert "roofline" not in paths
+    md = open(paths["table"]).read()
+    assert "the roofline chart would place 2 operators" in md and "ridge point 10.0 FLOP/B" in md
