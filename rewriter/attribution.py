@@ -146,7 +146,8 @@ def _call_line(path: str, line: int, func: str, callee: str | None) -> tuple[str
     """(qualified function, line, code) of an operator's call. ``line`` is a frame's: the
     function's def line for the python tracer's frames (co_firstlineno), then the call is the
     first line of its body that calls ``callee``; a call-site line (NPU call stacks) is kept.
-    The def line stands when the call is not found (``x @ w`` calls no named C function)."""
+    The def line stands, without code, when the call is not found (a module called as
+    ``self.proj(x)``: the module chain names it)."""
     found = _enclosing(path, line)
     qual, end = (found if found and found[0].rsplit(".", 1)[-1] == func else (func, line))
     lines = linecache.getlines(path)
@@ -163,7 +164,7 @@ def _call_line(path: str, line: int, func: str, callee: str | None) -> tuple[str
             code = lines[n - 1].strip()
             if pattern.search(code) and not code.startswith("#"):
                 return qual, n, code
-    return qual, line, text
+    return qual, line, ""  # the function's def line: its code would only show the signature
 
 
 # Python operators that dispatch to an aten operator without a named C call in the stack.

@@ -258,7 +258,7 @@ def _profile_cmd(args: argparse.Namespace) -> int:
     peaks: Any = args.peaks  # auto/cached: resolved on the profiled device
     if args.peaks == "none":
         peaks = None
-    elif args.peaks not in ("auto", "cached"):
+    elif args.peaks not in ("auto", "cached", "measure"):
         peaks = resolve_peaks(args.peaks)  # a bad name or file fails before anything is built
     job = _build(args)
     _say(f"profiling {args.steps} step(s) of {type(job.model).__name__} -> {out}")
@@ -453,10 +453,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_options(prof)
     prof.add_argument("--steps", type=int, default=2, help="profiled steps (default 2)")
     prof.add_argument("--top-k", type=int, default=15, help="operators in the table (default 15)")
-    prof.add_argument("--peaks", default="auto", metavar="auto|cached|none|DEVICE|FILE.json",
+    prof.add_argument("--peaks", default="auto", metavar="auto|measure|cached|none|DEVICE|FILE.json",
                       help="the roofline's peaks: auto (this machine's, measured once by a GEMM and "
                            "copy micro-benchmark and cached; REWRITER_CACHE_DIR or ~/.cache/rewriter), "
-                           "cached (only a cached measurement), none, a documented device (" +
+                           "measure (again, replacing the cache), cached (only a cached measurement), "
+                           "none, a documented device (" +
                            ", ".join(_documented()) + ") or a JSON file {device, gflops: {dtype: "
                            "GFLOP/s}, gb_per_s, source}")
     prof.set_defaults(run=_profile_cmd)

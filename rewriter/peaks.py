@@ -157,7 +157,7 @@ def _best_seconds(fn: Any, backend: Backend, repeats: int) -> float:
 
 
 def measure_peaks(device: str | torch.device | Backend | None = None, *, gemm_size: int | None = None,
-                  copy_mib: int | None = None, repeats: int = 5) -> Peaks:
+                  copy_mib: int | None = None, repeats: int = 10) -> Peaks:
     """Measure the two roofs: the best of ``repeats`` square GEMMs (per dtype the device runs
     fast: fp32 on CPU; fp32, bf16, fp16 on CUDA/NPU) and of a copy of ``copy_mib`` MiB (2 bytes
     moved per byte copied). About a second on a CPU::
@@ -200,7 +200,8 @@ def _same_machine(a: dict, b: dict) -> bool:
 
 
 def device_peaks(device: str | torch.device | Backend | None = None, *,
-                 cache_dir: str | os.PathLike | None = None, measure: bool = True) -> Peaks | None:
+                 cache_dir: str | os.PathLike | None = None, measure: bool = True,
+                 refresh: bool = False) -> Peaks | None:
     """The peaks of this machine's device: from the cache when it holds a measurement of the
     same machine (CPU model, threads, device, torch), else measured now and cached. With
     ``measure=False``, only the cache (None when it has none)::
@@ -218,7 +219,7 @@ def device_peaks(device: str | torch.device | Backend | None = None, *,
         pass
     except (OSError, ValueError, AttributeError) as e:  # a corrupt cache is measured again
         log.warning("peaks cache %s unreadable (%s): measuring again", path, e)
-    for e in entries:
+    for e in entries if not refresh else ():
         if _same_machine(e.get("machine", {}), machine):
             try:
                 cached = Peaks.from_dict(e)
@@ -246,7 +247,8 @@ def device_peaks(device: str | torch.device | Backend | None = None, *,
 def resolve_peaks(spec: "Peaks | str", device: str | torch.device | Backend | None = None, *,
                   cache_dir: str | os.PathLike | None = None) -> Peaks | None:
     """Peaks from what a user names: a :class:`Peaks`; ``"auto"`` (this machine's, measured once
-    and cached); ``"cached"`` (only a cached measurement, else None); a documented device name
+    and cached); ``"cached"`` (only a cached measurement, else None); ``"measure"`` (measured
+    again, replacing the cached figures); a documented device name
     (:data:`DOCUMENTED`); or a JSON file's path::
 
         resolve_peaks("auto", "cpu"); resolve_peaks("H100-SXM"); resolve_peaks("my_npu.json")
@@ -259,6 +261,8 @@ def resolve_peaks(spec: "Peaks | str", device: str | torch.device | Backend | No
         return device_peaks(device, cache_dir=cache_dir)
     if spec == "cached":
         return device_peaks(device, cache_dir=cache_dir, measure=False)
+    if spec == "measure":
+        return device_peaks(device, cache_dir=cache_dir, refresh=True)
     if spec.endswith(".json") or os.path.exists(spec):
         if not os.path.exists(spec):
             raise ValueError(f"peaks file {spec!r} does not exist")

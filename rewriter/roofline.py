@@ -79,7 +79,7 @@ class RooflineRow:
             text = (f"compute-bound, {100 * self.roof_fraction:.0f}% of peak compute "
                     f"({self.gflops_per_s:,.1f} of {self.roof_gflops:,.0f} GFLOP/s)")
             if self.roof_fraction > 1.05:
-                text += " (above the measured peak: it was measured low, on a busy machine?)"
+                text += " (above the peak: a measurement on a busy machine is low; --peaks measure measures again)"
             return text
         peak_bw = self.roof_gflops / self.intensity if self.intensity and self.roof_gflops else self.peak_gb_per_s
         text = (f"memory-bound, {100 * self.roof_fraction:.0f}% of peak bandwidth "
