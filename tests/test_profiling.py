@@ -347,3 +347,13 @@ def test_npu_profile_gets_the_same_analysis(tmp_path, fake_torch_npu):
     mul = r.analysis.row("mul")  # a kernel type from kernel_details.csv: (8, 4) * (8, 1), FLOAT
     assert (mul.flops, mul.bytes, mul.bound, mul.dtype) == (32, 4 * (32 + 8 + 32), "memory", "FLOAT")
     assert "kernel_details.csv" in " ".join(r.analysis.notes)
+
+
+def test_optimize_report_names_the_top_operators_model_line_and_roofline():
+    from rewriter.report import Report
+    rows = [OpRow("aten::mm", 2, 6.0, 6.0, 0.6, origin="`Block.forward` model.py:7 `y = x @ w`, and its backward",
+                  roofline="compute-bound, 35% of peak compute (35.0 of 100 GFLOP/s)"),
+            OpRow("ProfilerStep*", 1, 1.0, 10.0, 0.1)]
+    md = Report("Block", "cpu", "training", None, top_ops_before=rows).to_markdown()
+    assert ("1. `aten::mm` 60.0% (6.00 ms, 2 calls) — `Block.forward` model.py:7 `y = x @ w`, and its "
+            "backward; compute-bound, 35% of peak compute") in md
