@@ -21,6 +21,14 @@ attention_math_fallback    SDPA running its (unfused) math kernel           fuse
 tiny_operators             many operators of a few microseconds each        the fusion passes
 optimizer_step             ``optimizer.step()``'s share of the step         fuse_optimizer
 matmul_alignment           MatMul dims not a multiple of the device's       pad_to_alignment
+                           (CPU: the pass's candidate 16, gated), with
+                           the model line of each shape
+transposed_matmul          a heavy GEMM whose model line transposes an      fuse_linear,
+                           operand (``x @ w.t()``)                          make_contiguous
+shape_outliers             a shape whose time per FLOP is far above the     pad_to_alignment,
+                           operator's other shapes (roofline analysis)      make_contiguous,
+                                                                            fuse_linear,
+                                                                            cast_to_half
 unfused_gelu/_rms_norm/    the affinity patterns of §4.2, written for       fuse_gelu, ...
 _swiglu/_rotary/_linear    torch's operator names
 =========================  ==============================================  ====================
@@ -35,7 +43,9 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from rewriter.backends import get_backend
+from rewriter.op_analysis import OpAnalysis
 from rewriter.profiling import KernelRow, OpRow, ProfileResult
+from rewriter.roofline import RooflineRow, describe_origins
 
 __all__ = ["AdvisorSettings", "Finding", "advise", "findings_to_markdown"]
 
@@ -50,8 +60,9 @@ class AdvisorSettings:
     tiny_min_calls: int = 200  # tiny operator calls per step ...
     tiny_share: float = 0.20  # ... taking at least this share
     aicpu_min_us: float = 20.0  # msprof's AI CPU rule: tasks of 20 us or more (§4.1)
-    matmul_alignment: int | None = None  # None: the profiled device's (NPU 16, CUDA 8, CPU: off)
+    matmul_alignment: int | None = None  # None: the profiled device's (NPU 16, CUDA 8; CPU 16, gated)
     matmul_share: float = 0.01
+    transposed_share: float = 0.05  # GEMM time at a line with a transposed operand
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ class Finding:
     passes: tuple[str, ...]
     share: float = 0.0  # of the step, where the finding has a time
     operators: tuple[str, ...] = ()
+    sources: tuple[str, ...] = ()  # the model lines involved ("Block.forward model.py:7")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -82,6 +94,7 @@ class _View:
     device: str
     steps: int
     wall_ms: float | None
+    analysis: OpAnalysis | None = None
 
     @property
     def step_ms(self) -> float:
@@ -96,7 +109,7 @@ class _View:
 def _view(profile: ProfileResult | Sequence[OpRow], device: str | None) -> _View:
     if isinstance(profile, ProfileResult):
         return _View(profile.rows, profile.shape_rows, profile.kernels, profile.sequence,
-                     device or profile.device, profile.steps, profile.wall_ms)
+                     device or profile.device, profile.steps, profile.wall_ms, profile.analysis)
     rows = list(profile)
     if not all(isinstance(r, OpRow) for r in rows):
         raise ValueError("advise() takes a ProfileResult or a list of OpRow")
@@ -259,27 +272,133 @@ def _matmul_dims(name: str, sig: tuple) -> tuple[int, ...]:
 _MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")  # the kernels matmul/linear call
 
 
+# The pass's own candidate on a CPU, which declares no alignment (passes/pad_to_alignment.py).
+CPU_CANDIDATE_ALIGNMENT = 16
+NPU_PREFERRED_ALIGNMENT = 128  # the tuning guide: large dims in multiples of 128 run best
+
+
+def _next_multiple(d: int, align: int) -> int:
+    return -(-d // align) * align
+
+
+def _origin_of(v: _View, name: str, sig: tuple) -> RooflineRow | None:
+    return v.analysis.shape_row(name, sig) if v.analysis is not None else None
+
+
 def _matmul_alignment(v: _View, s: AdvisorSettings) -> Finding | None:
     align = s.matmul_alignment or get_backend(v.device).matmul_alignment
-    if align <= 1:
-        return None
+    on_cpu = align <= 1
+    if on_cpu:
+        align = CPU_CANDIDATE_ALIGNMENT
     table = v.shape_rows or v.rows
     bad = []
     for r in table:
         if r.name in _MATMULS:
-            dims = {d for sig in r.input_shapes[:1] for d in _matmul_dims(r.name, sig) if d % align}
-            if dims:
-                bad.append((r, dims))
-    share = sum(r.share for r, _ in bad)
+            for sig in r.input_shapes[:1]:
+                kn = _matmul_dims(r.name, sig)
+                dims = {d for d in kn if d % align}
+                if dims:
+                    bad.append((r, sig, kn, dims))
+    share = sum(r.share for r, *_ in bad)
     if not bad or share < s.matmul_share:
         return None
-    dims = sorted(set().union(*(d for _, d in bad)))
-    detail = (f"MatMuls whose inner or output dimension is not a multiple of {align} take "
-              f"{100 * share:.1f}% of the step (dims {', '.join(map(str, dims[:8]))}). The NPU Cube "
-              "unit computes 16x16 fractals and msprof-analyze wants the inner axis a multiple of "
-              "256 (§4.1); padding weights to a multiple keeps MatMuls on the fast path.")
-    return Finding("matmul_alignment", f"MatMul shapes not aligned to {align}", detail,
-                   ("pad_to_alignment",), share, tuple(dict.fromkeys(r.name for r, _ in bad)))
+    dims = sorted(set().union(*(d for *_, d in bad)))
+    sources: list[str] = []
+    lines = []
+    for r, sig, kn, misaligned in sorted(bad, key=lambda b: -b[0].share)[:4]:
+        names = [f"{label}={d}" for label, d in zip(("K", "N"), kn) if d in misaligned]
+        where = _origin_of(v, r.name, sig)
+        line = f"`{r.name}` {', '.join('x'.join(map(str, t)) for t in sig if t)}: {', '.join(names)}"
+        if where is not None and where.origins:
+            line += f", from {describe_origins(where.origins)}"
+            sources += [o.where for o, *_ in where.origins[:1]]
+        lines.append(line)
+    to = "; ".join(f"{d} -> {_next_multiple(d, align)} (x{NPU_PREFERRED_ALIGNMENT}: "
+                   f"{_next_multiple(d, NPU_PREFERRED_ALIGNMENT)})" for d in dims[:4])
+    device_note = (f"On this CPU {align} is the pass's candidate (a 64-byte line of fp32) and the "
+                   "gate decides; on an NPU this is the Cube unit's known slow path (16x16 fractals; "
+                   "msprof-analyze wants the inner axis a multiple of 256, §4.1), on CUDA tensor "
+                   "cores want multiples of 8.") if on_cpu else (
+                   "The NPU Cube unit computes 16x16 fractals and msprof-analyze wants the inner axis "
+                   "a multiple of 256 (§4.1); the tuning guide says multiples of 128 run best.")
+    detail = (f"MatMuls whose inner (K) or output (N) dimension is not a multiple of {align} take "
+              f"{100 * share:.1f}% of the step: {'; '.join(lines)}. Padding to the next multiple "
+              f"({to}) keeps MatMuls on the fast path. {device_note} pad_to_alignment pads in the "
+              "graph (parameters untouched); changing the model's hidden size is the other fix.")
+    return Finding("matmul_alignment", f"MatMul shapes not aligned to {align}"
+                   + (" (NPU/CUDA layout tip)" if on_cpu else ""), detail, ("pad_to_alignment",),
+                   share, tuple(dict.fromkeys(r.name for r, *_ in bad)), tuple(dict.fromkeys(sources)))
+
+
+_TRANSPOSED = re.compile(r"\.t\(\)|\.T\b|\.mT\b|transpose\(|permute\(")
+
+
+def _transposed_matmul(v: _View, s: AdvisorSettings) -> Finding | None:
+    """Heavy GEMMs whose model line transposes an operand (the case study's x @ w.t())."""
+    if v.analysis is None:
+        return None
+    hits: dict[str, float] = {}
+    codes: dict[str, str] = {}
+    for r in v.analysis.rows:
+        if r.kind != "gemm":
+            continue
+        for origin, _, _, part in r.origins:
+            if _TRANSPOSED.search(origin.code):
+                hits[origin.where] = hits.get(origin.where, 0.0) + r.share * part
+                codes[origin.where] = origin.code
+    share = sum(hits.values())
+    if not hits or share < s.transposed_share:
+        return None
+    listed = "; ".join(f"{w} `{codes[w]}` ({100 * sh:.1f}%)" for w, sh in sorted(hits.items(), key=lambda x: -x[1]))
+    detail = (f"GEMMs at lines that transpose an operand take {100 * share:.1f}% of the step "
+              f"(forward and backward): {listed}. A transposed view is strided memory: on the NPU "
+              "it becomes a contiguous_d_Transpose copy or a slower MatMul path. fuse_linear turns "
+              "matmul(x, w.t()) (+ b) into one F.linear that reads w as stored; make_contiguous "
+              "copies a transposed activation once for all its readers.")
+    return Finding("transposed_matmul", "MatMul of a transposed operand", detail,
+                   ("fuse_linear", "make_contiguous"), share, (), tuple(hits))
+
+
+def _shape_outliers(v: _View, s: AdvisorSettings) -> Finding | None:
+    """Shapes whose time per FLOP is far above their operator's other shapes."""
+    if v.analysis is None or not v.analysis.outliers:
+        return None
+    backend = get_backend(v.device)
+    align = s.matmul_alignment or backend.matmul_alignment
+    align = CPU_CANDIDATE_ALIGNMENT if align <= 1 else align
+    passes: list[str] = []
+    parts = []
+    for o in v.analysis.outliers[:5]:
+        r = o.row
+        why = []
+        sig = r.signature or ()
+        if r.kind == "gemm":
+            kn = _matmul_dims(r.name, sig) or tuple(d for t in sig[-1:] for d in t[-1:])
+            bad = [d for d in kn if d % align]
+            if bad:
+                why.append(f"dims {', '.join(map(str, bad))} not multiples of {align}")
+                passes.append("pad_to_alignment")
+        code = r.origins[0][0].code if r.origins else ""
+        if _TRANSPOSED.search(code):
+            why.append("a transposed operand")
+            passes += ["make_contiguous"] + (["fuse_linear"] if r.kind == "gemm" else [])
+        if r.kind in ("gemm", "conv", "attention") and r.dtype in ("float", "FLOAT") and backend.amp_dtypes \
+                and backend.name != "cpu":
+            why.append("fp32 where the device has a faster half-precision unit")
+            passes.append("cast_to_half")
+        shapes = ", ".join("x".join(map(str, t)) for t in sig if t)
+        text = (f"`{r.name}` at {shapes}: {o.ratio:.1f}x the time per FLOP of its other shapes, "
+                f"{100 * r.share:.1f}% of the step")
+        if r.origins:
+            text += f", from {describe_origins(r.origins)}"
+        text += f" ({'; '.join(why)})" if why else " (no layout cause visible: try AOE tuning on NPU)"
+        parts.append(text)
+    share = sum(o.row.share for o in v.analysis.outliers)
+    sources = tuple(dict.fromkeys(o.row.origins[0][0].where for o in v.analysis.outliers if o.row.origins))
+    detail = "Shape outliers: " + "; ".join(parts) + "."
+    return Finding("shape_outliers", "Shapes far slower per FLOP than their operator's others", detail,
+                   tuple(dict.fromkeys(passes)), share,
+                   tuple(dict.fromkeys(o.row.name for o in v.analysis.outliers)), sources)
 
 
 # The Ascend advisor's affinity patterns (§4.2) over torch's top-level operator names:
@@ -310,7 +429,7 @@ def _affinity(v: _View, s: AdvisorSettings) -> list[Finding]:
 
 _RULES: tuple[Callable[[_View, AdvisorSettings], Finding | None], ...] = (
     _ai_cpu, _unfused_attention, _attention_math_fallback, _non_contiguous, _optimizer_step,
-    _matmul_alignment, _tiny_operators)
+    _matmul_alignment, _transposed_matmul, _shape_outliers, _tiny_operators)
 
 
 def advise(profile: ProfileResult | Sequence[OpRow], *, device: str | None = None,

@@ -4,7 +4,9 @@
     rewriter optimize SPEC --out DIR [--train] [--dtype bf16|fp16] [--plan PLAN]
                      [--cache-dir DIR] [--loss SPEC] [--input SHAPE ...] [--device DEV]
                      [--bind-cores] [--aoe DIR]
-    rewriter profile SPEC --out DIR [--train] [--steps N]     profile one model's step
+    rewriter profile SPEC --out DIR [--train] [--steps N] [--peaks auto|none|DEVICE|FILE]
+                                     profile one model's step: operator table, roofline,
+                                     model lines, shape outliers, advisor
 
 SPEC is ``package.module:factory`` or ``path/to/file.py:factory``; the factory returns the
 model, or ``(model, example_inputs)`` with a tuple of args or a dict of kwargs. Only that
@@ -248,18 +250,29 @@ def _compare(before: Any, after: Any, directory: str, report: Any, notes: list[s
 
 def _profile_cmd(args: argparse.Namespace) -> int:
     """``rewriter profile``: one model's step, profiled, without optimizing."""
+    from rewriter.peaks import resolve_peaks
     from rewriter.profiling import ProfileSettings, profile_model
 
     out, started_at = os.path.abspath(args.out), time.time()
     _check_writable(out)
+    peaks: Any = args.peaks  # auto/cached: resolved on the profiled device
+    if args.peaks == "none":
+        peaks = None
+    elif args.peaks not in ("auto", "cached", "measure"):
+        peaks = resolve_peaks(args.peaks)  # a bad name or file fails before anything is built
     job = _build(args)
     _say(f"profiling {args.steps} step(s) of {type(job.model).__name__} -> {out}")
     result = profile_model(job.model, job.inputs, training=args.train, loss_fn=job.loss_fn,
                            optimizer=job.optimizer, steps=args.steps, out_dir=out,
-                           top_k=args.top_k, settings=ProfileSettings(wait=0, warmup=1))
+                           top_k=args.top_k, settings=ProfileSettings(wait=0, warmup=1), peaks=peaks)
     print(result.to_markdown(top_k=args.top_k))
     print(f"wrote to {out}: {', '.join(_grouped(_files_under(out, since=started_at)))}")
     return 0
+
+
+def _documented() -> list[str]:
+    from rewriter.peaks import DOCUMENTED
+    return sorted(DOCUMENTED)
 
 
 def _check_writable(directory: str) -> None:
@@ -440,6 +453,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_options(prof)
     prof.add_argument("--steps", type=int, default=2, help="profiled steps (default 2)")
     prof.add_argument("--top-k", type=int, default=15, help="operators in the table (default 15)")
+    prof.add_argument("--peaks", default="auto", metavar="auto|measure|cached|none|DEVICE|FILE.json",
+                      help="the roofline's peaks: auto (this machine's, measured once by a GEMM and "
+                           "copy micro-benchmark and cached; REWRITER_CACHE_DIR or ~/.cache/rewriter), "
+                           "measure (again, replacing the cache), cached (only a cached measurement), "
+                           "none, a documented device (" +
+                           ", ".join(_documented()) + ") or a JSON file {device, gflops: {dtype: "
+                           "GFLOP/s}, gb_per_s, source}")
     prof.set_defaults(run=_profile_cmd)
     return parser
 

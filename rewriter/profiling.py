@@ -44,6 +44,7 @@ profiler's overhead: they show where time goes, they are not the gate's measurem
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import json
@@ -52,23 +53,29 @@ import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 import warnings
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from decimal import Decimal
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from rewriter.attribution import is_python_frame
 from rewriter.backends import Backend, get_backend, import_torch_npu
+from rewriter.op_analysis import OpAnalysis, analyze
+from rewriter.opcalls import calls_from_ascend, calls_from_torch, parse_npu_shapes
+from rewriter.peaks import Peaks, resolve_peaks
+from rewriter.roofline import describe_origins, plot_roofline
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "OpRow", "KernelRow", "ProfileSettings", "ProfileResult", "OpChange", "Comparison",
     "open_profiler", "profile_run", "profile_model", "profile_step", "compare", "plot_top_ops",
-    "PeriodicProfiler", "rows_from_key_averages", "top_level_ops",
+    "PeriodicProfiler", "rows_from_key_averages", "top_level_ops", "kineto_quiet", "is_python_frame",
 ]
 
 Shape = tuple[int, ...]
@@ -93,6 +100,8 @@ class OpRow:
     total_ms: float
     share: float  # of the step's summed self time
     input_shapes: tuple[Signature, ...] = ()
+    origin: str = ""  # the model line(s) it came from (with_stack profiles)
+    roofline: str = ""  # "compute-bound, 35% of peak compute (...)", where it has a cost
 
     def to_dict(self) -> dict:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -126,7 +135,9 @@ class ProfileSettings:
     active: int = 2
     record_shapes: bool = True
     profile_memory: bool = True
-    with_stack: bool = False  # adds overhead and trace size (reference §3.1)
+    # Python stacks: each operator's model line (rewriter.attribution). Adds host overhead
+    # and trace size (reference §3.1); profiled times are for reading, never for deciding.
+    with_stack: bool = True
     npu_level: str = "Level1"  # Level1 writes the kernel columns the advisor reads (§3.1)
 
     def __post_init__(self) -> None:
@@ -163,6 +174,7 @@ class ProfileResult:
     peak_memory_mb: float | None = None
     files: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    analysis: OpAnalysis | None = None  # roofline, model lines, shape outliers
 
     @property
     def step_ms(self) -> float:
@@ -185,20 +197,23 @@ class ProfileResult:
                 "step_ms": round(self.step_ms, 4), "wall_ms": self.wall_ms,
                 "peak_memory_mb": self.peak_memory_mb, "rows": [r.to_dict() for r in self.rows],
                 "kernels": [k.to_dict() for k in self.kernels], "files": dict(self.files),
-                "notes": list(self.notes)}
+                "notes": list(self.notes),
+                "analysis": self.analysis.to_dict() if self.analysis is not None else None}
 
     def to_markdown(self, top_k: int = 15, advice: bool = True) -> str:
         lines = [f"## Operators: {self.label} ({self.device})", "", _summary_line(self)]
         top3 = self.top_operators(3)
         if top3:
-            lines += ["", "Top three: " + "; ".join(
-                f"{i}. `{r.name}` {100 * r.share:.1f}% ({r.self_ms:.2f} ms, {r.calls} calls)"
-                for i, r in enumerate(top3, 1))]
+            lines += ["", "Top three:"] + [f"{i}. {top_line(r)}" for i, r in enumerate(top3, 1)]
         lines += ["", "| # | operator | calls | self ms | total ms | share | input shapes |",
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {i} | {_cell(r.name)} | {r.calls} | {r.self_ms:.3f} | {r.total_ms:.3f} | "
                   f"{100 * r.share:.1f}% | {_cell(format_shapes(r.input_shapes))} |"
                   for i, r in enumerate(self.top(top_k), 1)]
+        if self.analysis is not None:
+            lines += ["", self.analysis.to_markdown(min(top_k, 10))]
+            if "roofline" not in self.files:
+                lines.append(f"- roofline chart: {self.analysis.chart_text()}")
         if advice:
             from rewriter.advisor import (  # advisor reads this module
                 advise,
@@ -212,13 +227,19 @@ class ProfileResult:
         return "\n".join(lines) + "\n"
 
     def save(self, out_dir: str | os.PathLike, top_k: int = 15) -> dict[str, str]:
-        """Write ``operators.md``, ``operators.json`` and (with matplotlib) ``top_operators.png``."""
+        """Write ``operators.md``, ``operators.json`` and (with matplotlib) ``top_operators.png``
+        and ``roofline.png``."""
         os.makedirs(out_dir, exist_ok=True)
         paths = {"table": os.path.join(out_dir, "operators.md"),
                  "json": os.path.join(out_dir, "operators.json")}
         chart = plot_top_ops(self, path=os.path.join(out_dir, "top_operators.png"), top_k=top_k)
         if chart:
             paths["chart"] = chart
+        a = self.analysis
+        if a is not None and a.peaks is not None and a.rows:
+            roof = plot_roofline(a.rows, a.peaks, os.path.join(out_dir, "roofline.png"), title=self.label)
+            if roof:
+                paths["roofline"] = roof
         elif "chart skipped" not in " ".join(self.notes):
             self.notes.append("chart skipped: matplotlib is not installed (pip install matplotlib)")
         self.files.update(paths)
@@ -227,6 +248,25 @@ class ProfileResult:
         with open(paths["json"], "w") as f:
             json.dump(self.to_dict(), f, indent=2)
         return paths
+
+
+def top_line(r: OpRow) -> str:
+    """``aten::mm 42.0% (3.20 ms, 4 calls) — `Block.forward` model.py:7 `...`, and its backward;
+    compute-bound, 35% of peak compute (...)``: one top operator in words."""
+    text = f"`{r.name}` {100 * r.share:.1f}% ({r.self_ms:.2f} ms, {r.calls} calls)"
+    if r.origin:
+        text += f" — {r.origin}"
+    if r.roofline:
+        text += f"; {r.roofline}"
+    return text
+
+
+def top_operator_lines(rows: Sequence[OpRow], k: int = 3) -> list[str]:
+    """Markdown lines for the top ``k`` operators of a table that carry a model line or a
+    roofline verdict (the optimize() report's section under its top-operator table)."""
+    top = [r for r in rows if _is_operator(r.name)][:k]
+    found = [f"{i}. {top_line(r)}" for i, r in enumerate(top, 1) if r.origin or r.roofline]
+    return ["", *found] if found else []
 
 
 def _summary_line(r: ProfileResult) -> str:
@@ -287,10 +327,16 @@ def rows_from_key_averages(averages: Sequence[Any], steps: int = 1,
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     device = _device_attrs(averages)
-    raw = [(e.key, e.count, *_times_us(e, device), ()) for e in averages]
+    raw = [(e.key, e.count, *_times_us(e, device), ()) for e in averages if not is_python_frame(e.key)]
+    frames = [_times_us(e, device) for e in averages if is_python_frame(e.key)]
+    if frames:  # with_stack's Python frames: their self time is the Python code's, one row
+        raw.append((PYTHON_ROW, 0, sum(f[0] for f in frames), sum(f[0] for f in frames), ()))
     shape_raw = [(e.key, e.count, *_times_us(e, device), (_signature(getattr(e, "input_shapes", None)),))
-                 for e in (shape_averages or ())]
+                 for e in (shape_averages or ()) if not is_python_frame(e.key)]
     return _to_rows(raw, steps, shape_raw), _to_rows(shape_raw, steps, ())
+
+
+PYTHON_ROW = "[Python code]"  # with_stack frames' self time (host time between operators)
 
 
 def _to_rows(raw: list[tuple], steps: int, shape_raw: Sequence[tuple]) -> list[OpRow]:
@@ -360,7 +406,31 @@ def _kineto_peak_mb(prof: Any, device_type: str) -> float | None:
     return peak / 2**20
 
 
-def _result_from_torch(prof: Any, backend: Backend, settings: ProfileSettings, label: str) -> ProfileResult:
+def with_analysis(result: ProfileResult, analysis: OpAnalysis) -> ProfileResult:
+    """``result`` with ``analysis`` attached and its rows naming their model line and roofline
+    verdict (NPU kernel rows match ``aten::<type>`` operator rows)."""
+    by_name = {r.name: r for r in analysis.rows}
+
+    def detail(row: OpRow) -> OpRow:
+        short = row.name.split("::", 1)[-1]
+        a = by_name.get(row.name) or by_name.get(short)
+        origins = analysis.origins.get(row.name) or analysis.origins.get(short) or ()
+        verdict = a.verdict() if a is not None and a.bound else ""
+        return replace(row, origin=describe_origins(origins), roofline=verdict)
+
+    result.rows = [detail(r) for r in result.rows]
+    result.analysis = analysis
+    return result
+
+
+def _analysis_notes(analysis: OpAnalysis, peaks_note: str) -> OpAnalysis:
+    if peaks_note:
+        analysis.notes.append(peaks_note)
+    return analysis
+
+
+def _result_from_torch(prof: Any, backend: Backend, settings: ProfileSettings, label: str,
+                       peaks: Peaks | None = None, peaks_note: str = "") -> ProfileResult:
     averages = prof.key_averages()
     shape_averages = prof.key_averages(group_by_input_shape=True) if settings.record_shapes else None
     rows, shape_rows = rows_from_key_averages(averages, settings.active, shape_averages)
@@ -368,6 +438,10 @@ def _result_from_torch(prof: Any, backend: Backend, settings: ProfileSettings, l
     result = ProfileResult(label, backend.name, settings.active, rows, shape_rows,
                            sequence=top_level_ops(_torch_events(prof)),
                            wall_ms=step_row.total_ms if step_row else None)
+    if settings.record_shapes:
+        step_us = 1e3 * result.step_ms  # the table's 100%, so shares agree with it
+        analysis = analyze(calls_from_torch(prof.events()), peaks, settings.active, step_us=step_us)
+        with_analysis(result, _analysis_notes(analysis, peaks_note))
     if settings.profile_memory:
         result.peak_memory_mb = _kineto_peak_mb(prof, backend.device_type)
         if result.peak_memory_mb is not None:
@@ -392,13 +466,7 @@ def _num(value: str | None) -> float:
         return 0.0
 
 
-def _npu_signature(text: str) -> Signature:
-    """``"8,64;64,48;"`` (dims by comma, inputs by semicolon, §3.3) -> ``((8, 64), (64, 48), ())``."""
-    sig = []
-    for part in text.strip().strip('"').split(";") if text.strip() else ():
-        dims = [d.strip() for d in part.split(",") if d.strip()]
-        sig.append(tuple(int(d) for d in dims) if all(d.lstrip("-").isdigit() for d in dims) else ())
-    return tuple(sig)
+_npu_signature = parse_npu_shapes  # ``"8,64;64,48;"`` -> ``((8, 64), (64, 48), ())`` (§3.3)
 
 
 def _rows_from_operator_details(path: str, steps: int) -> tuple[list[OpRow], list[OpRow]]:
@@ -469,7 +537,8 @@ def _npu_peak_mb(path: str) -> float | None:
     return max(values) if values else None
 
 
-def _result_from_ascend(root: str, backend: Backend, settings: ProfileSettings, label: str) -> ProfileResult:
+def _result_from_ascend(root: str, backend: Backend, settings: ProfileSettings, label: str,
+                        peaks: Peaks | None = None, peaks_note: str = "") -> ProfileResult:
     """Read a ``*_ascend_pt`` directory's ``ASCEND_PROFILER_OUTPUT`` into a ProfileResult."""
     out = os.path.join(root, "ASCEND_PROFILER_OUTPUT")
     steps = settings.active
@@ -485,6 +554,13 @@ def _result_from_ascend(root: str, backend: Backend, settings: ProfileSettings, 
         result.files["trace"] = trace_path
     if not rows:
         result.notes.append(f"no operator_details.csv rows in {out}")
+    calls = calls_from_ascend(out)
+    if calls:
+        analysis = analyze(calls, peaks, steps)
+        if os.path.exists(os.path.join(out, "kernel_details.csv")):
+            analysis.notes.append("roofline from kernel_details.csv (device kernels); model lines "
+                                  "from operator_details.csv's Call Stack")
+        with_analysis(result, _analysis_notes(analysis, peaks_note))
     if settings.profile_memory:
         result.peak_memory_mb = _npu_peak_mb(os.path.join(out, "operator_memory.csv"))
         if result.peak_memory_mb is not None:
@@ -494,6 +570,75 @@ def _result_from_ascend(root: str, backend: Backend, settings: ProfileSettings, 
 
 
 # --- the profiler wrapper ------------------------------------------------------------------
+
+# Kineto (libkineto's SyncActivityProfilerHandler) logs these at its USDT level each time a
+# trace starts and stops, straight to file descriptor 2; KINETO_LOG_LEVEL=6 silences them but
+# also kineto's errors, and only if set before the profiler first initialises. So they are
+# filtered out of stderr around rewriter's own profiler calls, and every other line passes.
+_KINETO_NOISE = re.compile(rb"^USDT:.*\] profiler_(?:start|stop)\s*$")
+
+
+@contextlib.contextmanager
+def kineto_quiet() -> Iterator[None]:
+    """Drop kineto's ``USDT: ... profiler_start`` / ``profiler_stop`` lines from stderr (the
+    file descriptor: they come from C++) while the block runs; other output is passed on::
+
+        with kineto_quiet():
+            prof.step()
+    """
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no stderr to guard
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True) if not _KINETO_NOISE.match(line)]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
+class _QuietProfiler:
+    """A torch/torch_npu profiler whose start, step and stop keep kineto's noise off stderr."""
+
+    def __init__(self, prof: Any) -> None:
+        self._prof = prof
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._prof, name)
+
+    def start(self) -> None:
+        with kineto_quiet():
+            self._prof.start()
+
+    def step(self) -> None:
+        with kineto_quiet():
+            self._prof.step()
+
+    def stop(self) -> None:
+        with kineto_quiet():
+            self._prof.stop()
+
+    def __enter__(self) -> "_QuietProfiler":
+        with kineto_quiet():
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        with kineto_quiet():
+            return self._prof.__exit__(*exc)
+
 
 def _chain(*handlers: Callable[[Any], None] | None) -> Callable[[Any], None]:
     def on_trace_ready(prof: Any) -> None:
@@ -522,14 +667,15 @@ def open_profiler(device: str | torch.device | Backend | None = None,
     """
     backend = get_backend(device)
     if backend.name == "npu":
-        return _open_npu_profiler(backend, settings, trace_dir, on_trace_ready, repeat, skip_first)
+        return _QuietProfiler(_open_npu_profiler(backend, settings, trace_dir, on_trace_ready, repeat,
+                                                 skip_first))
     tb = torch.profiler.tensorboard_trace_handler(trace_dir) if trace_dir else None
-    return torch.profiler.profile(
+    return _QuietProfiler(torch.profiler.profile(
         activities=list(dict.fromkeys(backend.profiler_activities())),
         schedule=torch.profiler.schedule(wait=settings.wait, warmup=settings.warmup,
                                          active=settings.active, repeat=repeat, skip_first=skip_first),
         on_trace_ready=_chain(tb, on_trace_ready), record_shapes=settings.record_shapes,
-        profile_memory=settings.profile_memory, with_stack=settings.with_stack)
+        profile_memory=settings.profile_memory, with_stack=settings.with_stack))
 
 
 def _open_npu_profiler(backend: Backend, settings: ProfileSettings, trace_dir: str | None,
@@ -558,8 +704,9 @@ class _Collector:
     NPU: from the ``*_ascend_pt`` directory torch_npu's handler has just written)."""
 
     def __init__(self, backend: Backend, settings: ProfileSettings, trace_dir: str | None,
-                 label: str) -> None:
+                 label: str, peaks: Peaks | None = None, peaks_note: str = "") -> None:
         self.backend, self.settings, self.trace_dir, self.label = backend, settings, trace_dir, label
+        self.peaks, self.peaks_note = peaks, peaks_note
         self.results: list[ProfileResult] = []
         self.seen: set[str] = set(self._outputs())
 
@@ -579,9 +726,11 @@ class _Collector:
         if self.backend.name == "npu":
             if output is None:
                 raise RuntimeError(f"torch_npu wrote no *_ascend_pt directory in {self.trace_dir}")
-            result = _result_from_ascend(output, self.backend, self.settings, self.label)
+            result = _result_from_ascend(output, self.backend, self.settings, self.label,
+                                         self.peaks, self.peaks_note)
         else:
-            result = _result_from_torch(prof, self.backend, self.settings, self.label)
+            result = _result_from_torch(prof, self.backend, self.settings, self.label,
+                                        self.peaks, self.peaks_note)
             if output:
                 result.files.update(tensorboard=self.trace_dir, trace=output)
         self.results.append(result)
@@ -593,17 +742,24 @@ def _slug(text: str) -> str:
 
 def profile_run(run: Callable[[], Any], device: str | torch.device | Backend | None = None, *,
                 settings: ProfileSettings = ProfileSettings(), out_dir: str | os.PathLike | None = None,
-                label: str = "profile", top_k: int = 15) -> ProfileResult:
+                label: str = "profile", top_k: int = 15, peaks: Peaks | str | None = "auto",
+                cache_dir: str | os.PathLike | None = None) -> ProfileResult:
     """Call ``run()`` ``settings.steps`` times under the profiler; tables from the active steps.
 
         result = profile_run(lambda: model(x), "cpu", out_dir="prof/")
         result.top(3)
+        result.analysis.rows[0].verdict()      # 'compute-bound, 35% of peak compute (...)'
+
+    ``peaks`` for the roofline: ``"auto"`` (this machine's, measured once and cached in
+    ``cache_dir``, see :mod:`rewriter.peaks`), a documented device name, a JSON file, a
+    :class:`Peaks`, or None (no fractions of peak).
     """
     backend = get_backend(device)
+    chosen, peaks_note = _peaks_for(peaks, backend, cache_dir, settings)
     scratch = tempfile.mkdtemp(prefix="rewriter-prof-") if backend.name == "npu" and out_dir is None else None
     trace_dir = os.path.join(out_dir, "tensorboard", _slug(label)) if out_dir else scratch
     try:
-        collector = _Collector(backend, settings, trace_dir, label)
+        collector = _Collector(backend, settings, trace_dir, label, chosen, peaks_note)
         with open_profiler(backend, settings, trace_dir=trace_dir, on_trace_ready=collector) as prof:
             for _ in range(settings.steps):
                 run()
@@ -620,6 +776,20 @@ def profile_run(run: Callable[[], Any], device: str | torch.device | Backend | N
             shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _peaks_for(peaks: Peaks | str | None, backend: Backend, cache_dir: str | os.PathLike | None,
+               settings: ProfileSettings) -> tuple[Peaks | None, str]:
+    """The roofline's peaks, and a note when there are none; measuring never fails a profile."""
+    if not settings.record_shapes or peaks is None:
+        return None, ""
+    try:
+        return resolve_peaks(peaks, backend, cache_dir=cache_dir), ""
+    except ValueError:
+        raise  # a bad name or file is the caller's mistake
+    except Exception as e:  # a device that cannot run the micro-benchmark: roofline without peaks
+        log.warning("no peaks for the roofline: %s: %s", type(e).__name__, e)
+        return None, f"no peaks for the roofline ({type(e).__name__}: {e})"
+
+
 def _write_outputs(result: ProfileResult, out_dir: str, top_k: int) -> None:
     trace = result.files.get("trace")
     if trace:
@@ -633,7 +803,9 @@ def profile_model(model: torch.nn.Module, example_inputs: Any, *, training: bool
                   optimizer: torch.optim.Optimizer | None = None, steps: int = 2,
                   out_dir: str | os.PathLike | None = None, top_k: int = 15,
                   device: str | torch.device | Backend | None = None,
-                  settings: ProfileSettings | None = None, label: str | None = None) -> ProfileResult:
+                  settings: ProfileSettings | None = None, label: str | None = None,
+                  peaks: Peaks | str | None = "auto",
+                  cache_dir: str | os.PathLike | None = None) -> ProfileResult:
     """Profile the step the gate measures: forward (``training=False``, under no_grad), or
     forward, backward and ``optimizer.step()``; restore the model and optimizer afterwards.
 
@@ -643,6 +815,7 @@ def profile_model(model: torch.nn.Module, example_inputs: Any, *, training: bool
     The loss is ``loss_fn(output)``, else ``output.loss`` (transformers with labels), else a
     fixed random cotangent on the outputs. The model runs in its current train/eval mode.
     ``steps`` recorded steps follow ``settings.wait`` + ``settings.warmup`` unrecorded ones.
+    ``peaks`` and ``cache_dir`` as in :func:`profile_run`.
     """
     from rewriter.job import (  # the gate's own step definition
         Job,
@@ -663,7 +836,7 @@ def profile_model(model: torch.nn.Module, example_inputs: Any, *, training: bool
     job = Job(model, args, kwargs, backend, training, optimizer, loss_fn)
     with preserved_state(model, optimizer, backend.rng_states()):
         return profile_run(job.step(model), backend, settings=settings, out_dir=out_dir,
-                           label=label, top_k=top_k)
+                           label=label, top_k=top_k, peaks=peaks, cache_dir=cache_dir)
 
 
 def profile_step(run: Callable[[], None], activities: list, top_k: int = 10) -> list[OpRow]:
@@ -674,7 +847,8 @@ def profile_step(run: Callable[[], None], activities: list, top_k: int = 10) -> 
 
         rows = profile_step(step, [torch.profiler.ProfilerActivity.CPU], top_k=10)
     """
-    with torch.profiler.profile(activities=list(dict.fromkeys(activities)), record_shapes=True) as prof:
+    prof = torch.profiler.profile(activities=list(dict.fromkeys(activities)), record_shapes=True)
+    with _QuietProfiler(prof):
         run()
     rows, _ = rows_from_key_averages(prof.key_averages(), 1, prof.key_averages(group_by_input_shape=True))
     return rows[:top_k]
@@ -914,7 +1088,8 @@ class PeriodicProfiler:
         if skip_first < 0:
             raise ValueError(f"skip_first must be >= 0, got {skip_first}")
         self.settings = ProfileSettings(wait=every - warmup - active, warmup=warmup, active=active,
-                                        record_shapes=record_shapes, profile_memory=profile_memory)
+                                        record_shapes=record_shapes, profile_memory=profile_memory,
+                                        with_stack=False)  # cheap windows: no Python stacks
         self.backend = get_backend(device)
         self.skip_first, self.out_dir, self.top_k, self.on_result = skip_first, out_dir, top_k, on_result
         self.results: deque[ProfileResult] = deque(maxlen=keep)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rewriter.advisor import Finding, findings_to_markdown
-from rewriter.profiling import Comparison, OpRow, format_shapes
+from rewriter.profiling import Comparison, OpRow, format_shapes, top_operator_lines
 
 
 @dataclass
@@ -128,6 +128,7 @@ class Report:
                           "|---|---|---|---|---|"]
                 lines += [f"| {r.name} | {r.calls} | {r.self_ms:.2f} | {100 * r.share:.1f}% | "
                           f"{_cell(format_shapes(r.input_shapes))} |" for r in rows]
+                lines += top_operator_lines(rows)  # model line and roofline of the top three
         for title, found in (("Advisor, before", self.findings_before), ("Advisor, after", self.findings_after)):
             if found:
                 lines += ["", f"## {title}", "", findings_to_markdown(found)]

@@ -57,3 +57,12 @@ def npu_target(request, emulate):
     """The strict shim emulating each of NPU_TARGETS in turn; yields (module, chip)."""
     chip, version = request.param
     return emulate(chip, version), chip
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_peaks_cache(tmp_path_factory):
+    """Peaks measured for the roofline are cached per machine; tests keep theirs out of ~/.cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("REWRITER_CACHE_DIR", str(tmp_path_factory.mktemp("rewriter-cache")))
+    yield
+    mp.undo()

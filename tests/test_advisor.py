@@ -147,8 +147,9 @@ def test_unaligned_matmul_on_npu_names_pad_to_alignment():
 
 def test_alignment_follows_the_device_or_the_setting():
     cpu = _profile([FILLER], shape_rows=[VOCAB_HEAD])
-    assert "matmul_alignment" not in _rules(cpu)  # a CPU has no preferred multiple
-    assert "matmul_alignment" in _rules(cpu, matmul_alignment=16)
+    f = _rules(cpu)["matmul_alignment"]  # a CPU declares none: the pass's candidate 16, gated
+    assert "of 16" in f.detail and "the gate decides" in f.detail and "NPU/CUDA" in f.title
+    assert "of 64" in _rules(cpu, matmul_alignment=64)["matmul_alignment"].detail
     aligned = _profile([FILLER], shape_rows=[ALIGNED], device="npu")
     assert "matmul_alignment" not in _rules(aligned)
 

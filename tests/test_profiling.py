@@ -85,7 +85,7 @@ def test_markdown_calls_out_the_top_three_operators():
     r = _result([("aten::mm", 4, 6.0), ("aten::add", 10, 2.0), ("aten::gelu", 2, 1.0),
                  ("aten::view", 30, 1.0)])
     md = r.to_markdown(top_k=2, advice=False)
-    assert "Top three: 1. `aten::mm` 60.0%" in md and "3. `aten::gelu`" in md
+    assert "Top three:\n1. `aten::mm` 60.0%" in md and "\n3. `aten::gelu`" in md
     table = [line for line in md.splitlines() if line.startswith("| ") and "operator" not in line]
     assert len(table) == 2  # top_k rows
 
@@ -308,3 +308,52 @@ def test_gpt2_training_step_eager_vs_optimized(tmp_path):
         assert "traceEvents" in json.load(open(r.files["trace"]))
         assert os.listdir(r.files["tensorboard"])
     assert "Unfused attention" in open(before.files["table"]).read()
+
+
+# --- roofline, model lines and kineto's noise ---------------------------------------------------
+
+def test_kineto_start_stop_lines_are_kept_off_stderr_and_other_lines_pass(capfd):
+    with profiling.kineto_quiet():
+        os.write(2, b"USDT:2026-12-01 09:09:33 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a line of the user's\n")
+    profiling.profile_run(lambda: torch.ones(4) + 1, "cpu", peaks=None,
+                          settings=ProfileSettings(wait=0, warmup=1, active=1))
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "profiler_stop" not in err
+    assert "a line of the user's" in err
+
+
+def test_profile_rows_name_their_model_line_and_roofline(tmp_path):
+    from tests.test_roofline import PEAKS, Block
+    torch.manual_seed(0)
+    model = Block()
+    r = profiling.profile_model(model, (torch.randn(8, 24),), training=True, loss_fn=lambda o: o.sum(),
+                                peaks=PEAKS, out_dir=tmp_path, settings=ProfileSettings(wait=0, warmup=1))
+    mm = r.row("aten::mm")
+    assert "`Block.forward`" in mm.origin and "and its backward" in mm.origin
+    assert mm.roofline.startswith(("compute-bound", "memory-bound"))
+    assert not any(profiling.is_python_frame(row.name) for row in r.rows)  # with_stack frames folded
+    assert r.analysis.row("aten::mm").flops == 2 * 2 * 8 * 24 * 24  # forward, grad weight (x needs none)
+    md = open(r.files["table"]).read()
+    assert "### Roofline" in md and "given for the test" in md and "### Per shape" in md
+    data = json.load(open(r.files["json"]))
+    assert data["analysis"]["rows"][0]["origins"]
+
+
+def test_npu_profile_gets_the_same_analysis(tmp_path, fake_torch_npu):
+    from tests.test_roofline import PEAKS
+    r = profiling.profile_model(_Int64Net(), (torch.randn(8, 16), torch.randint(0, 5, (8,))),
+                                training=False, device="npu", out_dir=tmp_path, label="npu", peaks=PEAKS)
+    mul = r.analysis.row("mul")  # a kernel type from kernel_details.csv: (8, 4) * (8, 1), FLOAT
+    assert (mul.flops, mul.bytes, mul.bound, mul.dtype) == (32, 4 * (32 + 8 + 32), "memory", "FLOAT")
+    assert "kernel_details.csv" in " ".join(r.analysis.notes)
+
+
+def test_optimize_report_names_the_top_operators_model_line_and_roofline():
+    from rewriter.report import Report
+    rows = [OpRow("aten::mm", 2, 6.0, 6.0, 0.6, origin="`Block.forward` model.py:7 `y = x @ w`, and its backward",
+                  roofline="compute-bound, 35% of peak compute (35.0 of 100 GFLOP/s)"),
+            OpRow("ProfilerStep*", 1, 1.0, 10.0, 0.1)]
+    md = Report("Block", "cpu", "training", None, top_ops_before=rows).to_markdown()
+    assert ("1. `aten::mm` 60.0% (6.00 ms, 2 calls) — `Block.forward` model.py:7 `y = x @ w`, and its "
+            "backward; compute-bound, 35% of peak compute") in md

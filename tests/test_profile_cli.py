@@ -1,0 +1,84 @@
+"""``rewriter profile`` as the issue's user runs it: GPT-2 training (tiny, random weights) and
+the MatMul case study's block (x @ w.t(), hidden 1000). Checked for what the report names
+(lines, bounds, passes), never for timings."""
+import re
+import textwrap
+
+import pytest
+
+from rewriter import cli
+
+BLOCK = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+
+    class Block(nn.Module):
+        def __init__(self, hidden=1000):
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(hidden, hidden) * 0.02)
+            self.bias = nn.Parameter(torch.zeros(hidden))
+
+        def forward(self, x):
+            x = torch.matmul(x, self.w1.t())
+            x += self.bias
+            return torch.relu(x)
+
+
+    def build():
+        return Block(), (torch.randn(64, 1000),)
+''')
+
+GPT2 = textwrap.dedent('''
+    import torch
+    import transformers
+
+
+    def build():
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=256, n_positions=32)
+        ids = torch.randint(0, 256, (2, 32))
+        return transformers.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+''')
+
+
+def _top_three(out: str) -> list[str]:
+    lines = out.split("Top three:\n", 1)[1].splitlines()
+    return [line for line in lines[:3] if re.match(r"\d\. ", line)]
+
+
+def test_gpt2_training_top_three_name_line_fraction_of_peak_and_bound(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    spec = tmp_path / "gpt2.py"
+    spec.write_text(GPT2)
+    assert cli.main(["profile", f"{spec}:build", "--train", "--optimizer", "none", "--steps", "1",
+                     "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    top = _top_three(out)
+    assert len(top) == 3
+    for line in top:
+        # function, module chain, file:line (and the line's code where the call is found)
+        assert re.search(r"— (backward of )?`[\w.<>]+` \[[\w.]+\] \w+\.py:\d+", line), line
+        assert re.search(r"(compute|memory)-bound, \d+% of peak (compute|bandwidth)", line), line
+    assert "### Roofline" in out and "Peaks: cpu:" in out
+
+
+def test_case_study_block_names_the_misaligned_dim_the_pass_and_the_line(tmp_path, capsys):
+    spec = tmp_path / "model.py"
+    spec.write_text(BLOCK)
+    assert cli.main(["profile", f"{spec}:build", "--train", "--optimizer", "sgd", "--steps", "1",
+                     "--peaks", "none", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    advisor = out.split("### Advisor", 1)[1]
+    align = next(line for line in advisor.splitlines() if "MatMul shapes not aligned" in line)
+    assert "K=1000" in align and "1000 -> 1008" in align and "x128: 1024" in align
+    assert "`pad_to_alignment`" in align
+    assert "model.py:13 `x = torch.matmul(x, self.w1.t())`" in align
+    transposed = next(line for line in advisor.splitlines() if "transposed operand" in line)
+    assert "`fuse_linear`" in transposed and "model.py:13" in transposed
+    assert "fractions of peak left out" in out  # --peaks none: said so
+
+
+def test_a_bad_peaks_name_is_refused_before_building(tmp_path, capsys):
+    assert cli.main(["profile", "nowhere.py:build", "--peaks", "TPU-v9", "--out", str(tmp_path)]) == 2
+    assert "no documented peaks for 'TPU-v9'" in capsys.readouterr().err
