@@ -356,7 +356,6 @@ def chains(gm: GraphModule) -> tuple[list[Chain], list[str]]:
 
 class NarrowInt64(Pass):
     name = "narrow_int64"
-    scope = "step"  # no local region: measured on the whole step
     contract = "exact"
     devices = frozenset({"npu", "cpu", "cuda"})
 

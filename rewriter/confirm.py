@@ -16,6 +16,7 @@ decisions predict beside it::
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -114,7 +115,11 @@ def _slower(m: Measurement, r: "Run") -> bool:
 
 def _measure(self: Confirmation) -> Measurement:
     r = self.owner
-    m = measure(r.original_step(), r.composed_step(), clock=r.clock, settings=r.settings.gate,
+    g = r.settings.gate
+    # Both models ran just before (reference, capture and composed checks): one warm-up pair.
+    once = dataclasses.replace(g, warmup=1, warmup_seconds=0.0, max_warmup=1,
+                               min_pairs=min(g.min_pairs, g.confirm_pairs))
+    m = measure(r.original_step(), r.composed_step(), clock=r.clock, settings=once,
                 min_speedup=1.0)
     r.snapshot.restore()
     return m

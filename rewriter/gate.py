@@ -101,6 +101,8 @@ class GateSettings:
     budget_seconds: float = 4.0
     noise_widths: float = 2.0
     region_sample_seconds: float = 0.003  # a region sample repeats the region this long
+    region_warmup_seconds: float = 0.05   # a region is small: its caches settle fast
+    confirm_pairs: int = 4  # the step check: fewest pairs (the models ran warm just before)
     outlier_factor: float = 1.5  # a sample this many times its variant's fastest is flagged
     max_flagged: float = 0.25    # more flagged pairs than this: measure again, then inconclusive
     regression: float = 0.98     # the step check reverts only below this ratio (and the noise)

@@ -557,8 +557,9 @@ class Run:
         attribute): past its recompile limit it runs the model eagerly, and every rewrite would
         be kept on paper but never run."""
         before = len(cap.slots)
-        with switched(cap.switch, deterministic=True):
-            self.job.numerics(cap, deterministic=contextlib.nullcontext())
+        grad = torch.enable_grad() if self.job.training else torch.no_grad()  # as Dynamo saw it
+        with switched(cap.switch, deterministic=True), grad:
+            cap(*self.job.args, **self.job.kwargs)  # forward only: guards are checked there
         self.snapshot.restore()
         if len(cap.slots) > before:
             raise CaptureError("Dynamo recompiles the model at every call (its guards read Python "

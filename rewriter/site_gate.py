@@ -14,6 +14,7 @@ yardstick (rewriter.verify): the error is attributed to the site, at any model s
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any, Callable
@@ -138,7 +139,8 @@ def measure_region(region: Region, values: list[Recorded], training: bool, *, cl
                          settings.region_sample_seconds)
         base = Step(_repeated(a, reps), (), "original region", scope="region", reps=reps)
         cand = Step(_repeated(b, reps), (region.pass_name,), "replacement", scope="region", reps=reps)
-        return measure(base, cand, clock=clock, settings=settings, min_speedup=min_speedup,
+        quick_warmup = dataclasses.replace(settings, warmup_seconds=settings.region_warmup_seconds)
+        return measure(base, cand, clock=clock, settings=quick_warmup, min_speedup=min_speedup,
                        deadline=deadline)
 
 

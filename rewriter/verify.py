@@ -149,14 +149,20 @@ def compare_tensors(got: torch.Tensor, want: torch.Tensor, tol: Tolerance, where
         same = torch.equal(got, want)
         return Comparison(same, 0.0 if same else math.inf, 0.0 if same else math.inf, where,
                           "" if same else f"{where}: integer values differ")
-    got64 = got.detach().to(torch.float64)
-    want64 = want.detach().to(torch.float64)
-    finite = torch.isfinite(want64)
-    if bool((~torch.isfinite(got64) & finite).any()):
+    # fp32 and wider compare in their own dtype (the difference of two close floats is exact);
+    # half dtypes widen to fp32 first.
+    wide = torch.promote_types(torch.promote_types(got.dtype, want.dtype), torch.float32)
+    g, w = got.detach().to(wide), want.detach().to(wide)
+    finite = torch.isfinite(w)
+    all_finite = bool(finite.all())
+    if not all_finite:
+        if bool((~torch.isfinite(g) & finite).any()):
+            return Comparison(False, math.inf, math.inf, where, f"{where}: non-finite values where the original is finite")
+        if not bool(finite.any()):
+            return Comparison(True, 0.0, 0.0, where)
+        g, w = g[finite], w[finite]
+    elif not bool(torch.isfinite(g).all()):
         return Comparison(False, math.inf, math.inf, where, f"{where}: non-finite values where the original is finite")
-    if not bool(finite.any()):
-        return Comparison(True, 0.0, 0.0, where)
-    g, w = got64[finite], want64[finite]
     diff = (g - w).abs()
     scale = float(w.abs().max())
     atol = tol.atol_scale * max(scale, scale_floor)
