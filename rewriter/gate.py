@@ -12,8 +12,8 @@ A candidate is kept only when its speedup is at least ``min_speedup`` and the sp
 noise widths is still above 1: a result the noise could explain is no result.
 
 A busy machine: load from other processes only ever makes a sample slower, so a sample far
-above the fastest of its own variant (``outlier_factor`` times it) is flagged and left out of
-the statistics. When more than ``max_flagged`` of the pairs are flagged, the comparison is
+above its own variant's lower quartile (``outlier_factor`` times it) is flagged and left out
+of the statistics. When more than ``max_flagged`` of the pairs are flagged, the comparison is
 measured again once; flagged again, it is "inconclusive: the machine was busy", never a keep.
 
 The variants are whole steps (``scope="step"``) or one site's region (``scope="region"``,
@@ -103,7 +103,7 @@ class GateSettings:
     region_sample_seconds: float = 0.003  # a region sample repeats the region this long
     region_warmup_seconds: float = 0.05   # a region is small: its caches settle fast
     confirm_pairs: int = 4  # the step check: fewest pairs (the models ran warm just before)
-    outlier_factor: float = 1.5  # a sample this many times its variant's fastest is flagged
+    outlier_factor: float = 1.5  # a sample this many times its variant's lower quartile is flagged
     max_flagged: float = 0.25    # more flagged pairs than this: measure again, then inconclusive
     regression: float = 0.98     # the step check reverts only below this ratio (and the noise)
 
@@ -116,16 +116,16 @@ class Measurement:
     reps: int = 1
     remeasured: bool = False  # the first try had too many flagged samples
     busy: bool = False        # so had the second: no conclusion
-    fastest: tuple[float, float] | None = None  # (baseline, candidate) seen in an earlier try
+    earlier: tuple[list[float], list[float]] | None = None  # an earlier try's samples
 
     @property
     def flagged(self) -> list[bool]:
-        """Per pair: a sample of it far above its own variant's fastest."""
+        """Per pair: a sample of it far above its own variant's usual (lower-quartile) time."""
         if not self.baseline_times:
             return []
-        lo_a, lo_b = min(self.baseline_times), min(self.candidate_times)
-        if self.fastest is not None:
-            lo_a, lo_b = min(lo_a, self.fastest[0]), min(lo_b, self.fastest[1])
+        earlier_a, earlier_b = self.earlier or ([], [])
+        lo_a = _lower_quartile(self.baseline_times + earlier_a)
+        lo_b = _lower_quartile(self.candidate_times + earlier_b)
         f = self.outlier_factor
         return [a > f * lo_a or b > f * lo_b
                 for a, b in zip(self.baseline_times, self.candidate_times)]
@@ -184,6 +184,14 @@ class Measurement:
                 "busy": self.busy}
 
 
+def _lower_quartile(times: list[float]) -> float:
+    """Load only ever slows a sample down: the lower quartile is the variant's unloaded time
+    even when a burst hit most samples, and a load that lasts the whole comparison (which
+    slows both variants alike) moves it with the samples."""
+    ordered = sorted(times)
+    return ordered[(len(ordered) - 1) // 4]
+
+
 def _finite(x: float) -> float | None:
     return None if x is None or not math.isfinite(x) else round(x, 6)
 
@@ -207,11 +215,11 @@ def measure(baseline: Step, candidate: Step, *, clock: Clock, settings: GateSett
         candidate.run()
     m = _pairs(baseline, candidate, clock, settings, min_speedup, deadline)
     if m.flagged_fraction > settings.max_flagged:
-        log.info("rewriter: %s vs %s: %d of %d samples far above their variant's fastest (a busy "
+        log.info("rewriter: %s vs %s: %d of %d samples far above their variant's usual time (a busy "
                  "machine?); measuring again", baseline.label, candidate.label, sum(m.flagged),
                  len(m.flagged))
-        fastest = (min(m.baseline_times), min(m.candidate_times))
-        m = _pairs(baseline, candidate, clock, settings, min_speedup, deadline, fastest)
+        earlier = (m.baseline_times, m.candidate_times)
+        m = _pairs(baseline, candidate, clock, settings, min_speedup, deadline, earlier)
         m.remeasured = True
         m.busy = m.flagged_fraction > settings.max_flagged
     return m
@@ -219,9 +227,9 @@ def measure(baseline: Step, candidate: Step, *, clock: Clock, settings: GateSett
 
 def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings,
            min_speedup: float, deadline: float | None,
-           fastest: tuple[float, float] | None = None) -> Measurement:
+           earlier: tuple[list[float], list[float]] | None = None) -> Measurement:
     m = Measurement(outlier_factor=settings.outlier_factor, reps=max(baseline.reps, 1),
-                    fastest=fastest)
+                    earlier=earlier)
     started = time.perf_counter()
     for i in range(settings.max_pairs):
         first, second = (baseline, candidate) if i % 2 == 0 else (candidate, baseline)
@@ -256,7 +264,7 @@ def decide(m: Measurement, min_speedup: float, noise_widths: float = 2.0) -> tup
     """Keep or not, and the reason in words."""
     if m.busy:
         return False, (f"inconclusive: the machine was busy ({sum(m.flagged)} of {len(m.flagged)} "
-                       f"samples over {m.outlier_factor:g}x their variant's fastest, measured twice)")
+                       f"samples over {m.outlier_factor:g}x their variant's usual time, measured twice)")
     if not math.isfinite(m.speedup) or m.pairs < 2:
         return False, "no measurement"
     return _verdict(m.speedup, m.noise, min_speedup, noise_widths, figure(m))

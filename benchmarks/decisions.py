@@ -1,0 +1,223 @@
+"""How optimize() decides, run after run: stability, its own cost, scaling, a busy machine.
+
+    python -m benchmarks.decisions --out benchmarks               # the default run (~20 min)
+    python -m benchmarks.decisions --models gpt2 --runs 2 --out /tmp/d
+    python -m benchmarks.decisions --load --out /tmp/d            # with a concurrent CPU load
+
+For each model of the zoo (training) and each precision (fp32, ``dtype=bf16``), optimize() runs
+``--runs`` times in a row with default settings and no knowledge base (each run measures
+afresh); the table says whether the decisions (kept signatures per pass, the fused optimizer)
+were the same every time, how long optimize() took (median), and how much of that was the
+capture (Dynamo's own first trace of the model is most of it for transformers). The LLaMA
+config is also optimized at 4 and 16 layers, to see how the cost grows with depth.
+
+``--load`` starts a second process that keeps one core busy with matrix products in bursts
+(bounded in time: it stops with the run, at the latest after ``--load-seconds``), runs the
+same optimize() calls under it, and compares their decisions with the quiet ones: a rewrite
+kept under load that the quiet runs rejected is a failure of the gate.
+Writes ``DECISIONS.md`` and ``decisions.json`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from typing import Any, Sequence
+
+import torch
+
+import rewriter
+from benchmarks.configs import plain_optimizer
+from benchmarks.measure import machine_info
+from benchmarks.models import MODEL_NAMES, TRANSFORMER_SIZES, build_case
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def _say(msg: str) -> None:
+    print(f"[decisions {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def decisions_of(report: rewriter.Report) -> dict[str, Any]:
+    """What a run decided, comparable across runs: per pass, the kept signatures (or kept)."""
+    out: dict[str, Any] = {}
+    for d in report.decisions:
+        if d.status in ("not applicable", "no sites"):
+            continue
+        if d.regions:
+            out[d.pass_name] = sorted(row["signature"][:8] for row in d.regions if row.get("kept"))
+        else:
+            out[d.pass_name] = d.kept
+    out["(step check)"] = bool(report.final.get("kept"))
+    return out
+
+
+def one_run(name: str, dtype: torch.dtype | None, *, layers: int | None = None) -> dict[str, Any]:
+    torch._dynamo.reset()  # each run captures afresh, as a new process would
+    if layers is not None:
+        import benchmarks.models as models
+        base = TRANSFORMER_SIZES["default"]
+        models.TRANSFORMER_SIZES["scaled"] = type(base)(layers, base.hidden, base.heads, base.vocab,
+                                                        base.batch, base.seq)
+        case = models.BUILDERS[name]("scaled", True)
+    else:
+        case = build_case(name, quick=False, training=True)
+    opt = plain_optimizer(case.model, True)
+    started = time.perf_counter()
+    fast, _ = rewriter.optimize(case.model, case.inputs, optimizer=opt, loss_fn=case.loss_fn,
+                                dtype=dtype, knowledge_base=False, profile=False, progress=False)
+    seconds = time.perf_counter() - started
+    r = fast.report
+    return {"seconds": round(seconds, 2), "phases": r.phases, "decisions": decisions_of(r),
+            "reasons": {d.pass_name: d.reason for d in r.decisions
+                        if d.status not in ("not applicable", "no sites")},
+            "final": r.final.get("reason", "")}
+
+
+def _burn(seconds: float) -> None:
+    """The concurrent load: one core of matrix products in bursts of 0.2-1 s."""
+    import random
+    torch.set_num_threads(1)
+    a = torch.randn(512, 512)
+    end = time.monotonic() + seconds
+    rng = random.Random(0)
+    while time.monotonic() < end:
+        burst = time.monotonic() + rng.uniform(0.2, 1.0)
+        while time.monotonic() < burst:
+            a = (a @ a).clamp_(-1, 1)
+        time.sleep(rng.uniform(0.0, 0.3))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decisions", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=list(MODEL_NAMES))
+    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--scaling", action=argparse.BooleanOptionalAction, default=True,
+                   help="also LLaMA at 4 and 16 layers (default: on)")
+    p.add_argument("--load", action="store_true", help="also run under a concurrent CPU load")
+    p.add_argument("--load-seconds", type=float, default=900.0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    models = [m for v in args.models for m in v.split(",") if m]
+    os.makedirs(args.out, exist_ok=True)
+    result: dict[str, Any] = {"command": "python -m benchmarks.decisions " + " ".join(argv or sys.argv[1:]),
+                              "machine": machine_info(), "rows": [], "scaling": [], "load": []}
+    for name in models:
+        for prec in args.precisions:
+            runs = []
+            for i in range(args.runs):
+                runs.append(one_run(name, PRECISIONS[prec]))
+                _say(f"{name} {prec} run {i + 1}: {runs[-1]['seconds']} s {runs[-1]['decisions']}")
+            same = all(r["decisions"] == runs[0]["decisions"] for r in runs)
+            result["rows"].append({"model": name, "precision": prec, "runs": runs, "same": same})
+            _write(args.out, result)
+    if args.scaling:
+        for layers in (4, 16):
+            r = one_run("llama", None, layers=layers)
+            r["layers"] = layers
+            result["scaling"].append(r)
+            _say(f"llama {layers} layers: {r['seconds']} s {r['phases']}")
+        _write(args.out, result)
+    if args.load:
+        burner = mp.get_context("spawn").Process(target=_burn, args=(args.load_seconds,), daemon=True)
+        burner.start()
+        try:
+            for name in models:
+                r = one_run(name, None)
+                quiet = next((row for row in result["rows"] if row["model"] == name
+                              and row["precision"] == "fp32"), None)
+                r["model"] = name
+                r["kept_only_under_load"] = _kept_only_under_load(r, quiet)
+                result["load"].append(r)
+                _say(f"{name} under load: {r['seconds']} s {r['decisions']} "
+                     f"kept only under load: {r['kept_only_under_load']}")
+                _write(args.out, result)
+        finally:
+            burner.terminate()
+            burner.join(5)
+    _write(args.out, result)
+    return 0
+
+
+def _kept_only_under_load(loaded: dict, quiet_row: dict | None) -> list[str]:
+    """Decisions kept under load that no quiet run kept."""
+    if quiet_row is None:
+        return []
+    found = []
+    for pass_name, kept in loaded["decisions"].items():
+        if pass_name == "(step check)":
+            continue
+        quiet = [r["decisions"].get(pass_name) for r in quiet_row["runs"]]
+        if isinstance(kept, list):
+            ever = {s for q in quiet if isinstance(q, list) for s in q}
+            found += [f"{pass_name}[{s}]" for s in kept if s not in ever]
+        elif kept and not any(q is True for q in quiet):
+            found.append(pass_name)
+    return found
+
+
+def _write(out: str, result: dict) -> None:
+    with open(os.path.join(out, "decisions.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.join(out, "DECISIONS.md"), "w") as f:
+        f.write(to_markdown(result))
+
+
+def to_markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = ["# optimize(): decisions run after run", "",
+             f"`{result['command']}` — {m.get('cpu')}, {m.get('cpu_count')} cores, torch {m.get('torch')}, "
+             f"{m.get('date')}, load average at start {m.get('load_average_at_start')}", "",
+             "Each row: optimize() with default settings, training, no knowledge base (every run "
+             "measures afresh), run after run in one process (Dynamo reset between runs).", "",
+             "| model | precision | runs | same decisions | optimize() s (median, min-max) | capture s (median) | kept (first run) |",
+             "|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        secs = [r["seconds"] for r in row["runs"]]
+        cap = [r["phases"].get("capture", 0.0) for r in row["runs"]]
+        kept = {k: v for k, v in row["runs"][0]["decisions"].items() if v}
+        lines.append(f"| {row['model']} | {row['precision']} | {len(secs)} | {'yes' if row['same'] else '**no**'} "
+                     f"| {statistics.median(secs):.1f} ({min(secs):.1f}-{max(secs):.1f}) "
+                     f"| {statistics.median(cap):.1f} | {_fmt(kept)} |")
+    differing = [row for row in result["rows"] if not row["same"]]
+    for row in differing:
+        lines += ["", f"### {row['model']} {row['precision']}: decisions per run", ""]
+        for i, r in enumerate(row["runs"], 1):
+            lines.append(f"- run {i}: {_fmt(r['decisions'])}")
+            for pass_name, reason in r["reasons"].items():
+                lines.append(f"  - {pass_name}: {reason[:220]}")
+    if result["scaling"]:
+        lines += ["", "## Cost against depth (LLaMA config, fp32 training)", "",
+                  "| layers | optimize() s | " + " | ".join(_PHASES) + " |",
+                  "|---|---|" + "---|" * len(_PHASES)]
+        for r in result["scaling"]:
+            lines.append(f"| {r['layers']} | {r['seconds']:.1f} | "
+                         + " | ".join(f"{r['phases'].get(k, 0.0):.1f}" for k in _PHASES) + " |")
+        if len(result["scaling"]) == 2:
+            a, b = result["scaling"]
+            lines.append(f"\n16 layers / 4 layers: {b['seconds'] / a['seconds']:.2f}x the time "
+                         f"({(b['seconds'] - b['phases'].get('capture', 0)) / max(a['seconds'] - a['phases'].get('capture', 0), 1e-9):.2f}x without the capture)")
+    if result["load"]:
+        lines += ["", "## Under a concurrent CPU load (one core busy in bursts)", "",
+                  "| model | optimize() s | kept | kept under load only |", "|---|---|---|---|"]
+        for r in result["load"]:
+            kept = {k: v for k, v in r["decisions"].items() if v}
+            lines.append(f"| {r['model']} | {r['seconds']:.1f} | {_fmt(kept)} | "
+                         f"{', '.join(r['kept_only_under_load']) or 'none'} |")
+    return "\n".join(lines) + "\n"
+
+
+_PHASES = ("reference", "capture", "record", "verify", "measure", "confirm")
+
+
+def _fmt(d: dict) -> str:
+    return ", ".join(f"{k}" + (f" {v}" if isinstance(v, list) else "") for k, v in d.items()) or "-"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
