@@ -197,9 +197,46 @@ class Run:
 
     # --- deciding ----------------------------------------------------------------------------
     def _decide(self) -> None:
-        ordered = [p for p in self.passes if p.sets_precision] + \
-                  [p for p in self.passes if not p.sets_precision]
-        for i, p in enumerate(ordered, 1):
+        """Every pass in order; with ``dtype=``, in the precision it will run in.
+
+        The precision pass (cast_to_half) changes what every other rewrite is measured in, and
+        its own worth depends on them (a half-precision GEMM on a transposed operand can be far
+        slower than the fused kernel that replaces it), so the others are decided with it
+        applied on top, speculatively; then it is decided itself on the whole step, with the
+        kept rewrites in. When it is rejected, the others are decided again at full precision.
+        """
+        precision = [p for p in self.passes if p.sets_precision]
+        others = [p for p in self.passes if not p.sets_precision]
+        speculate = [p for p in precision if p.applies_to(self.ctx) is None][:1]
+        if speculate:
+            self._set_overlay([KeptPass(speculate[0])])
+        self._decide_each(others)
+        if speculate:
+            self._set_overlay([])
+        self._decide_each(precision)
+        if speculate and not any(kp.pass_.sets_precision for kp in self.kept) \
+                and any(d.regions or d.kept for d in self.report.decisions if d.pass_name in
+                        {p.name for p in others}):
+            log.info("rewriter: %s was not kept: deciding the other passes again at full precision",
+                     speculate[0].name)
+            redo = {p.name for p in others}
+            self.report.decisions = [d for d in self.report.decisions if d.pass_name not in redo]
+            self.units = [u for u in self.units if u.pass_name not in redo]
+            self.rebuild([])
+            self._decide_each(others)
+            self.report.notes.append(f"{speculate[0].name} was not kept, so the other passes were "
+                                     "decided again at full precision")
+        if self.job.optimizer is not None:
+            self._decide_optimizer()
+
+    def _set_overlay(self, kept: list[KeptPass]) -> None:
+        overlay = overlay_for(kept, self.ctx)
+        self._speculative = bool(kept)
+        for slot in self.cap.slots:
+            slot.set_overlay(overlay)
+
+    def _decide_each(self, passes: list[Pass]) -> None:
+        for i, p in enumerate(passes, 1):
             if self._out_of_time():
                 d = Decision(p.name, False, "not reached",
                              f"the time budget ({self.settings.time_budget:g} s) ran out first")
@@ -207,22 +244,23 @@ class Run:
                 d = self._try(p)
                 self.snapshot.restore()
             self.report.decisions.append(d)
-            log.info("rewriter: [%d/%d] %s: %s: %s", i, len(ordered), p.name, d.status, d.reason)
-        if self.job.optimizer is not None:
-            if self._out_of_time():
-                d = Decision("fuse_optimizer", False, "not reached",
-                             f"the time budget ({self.settings.time_budget:g} s) ran out first", scope="step")
-            else:
-                with self._phase("measure"):
-                    d, self.fused_opt = gate_optimizer(
-                        self.job, self.clock, self.settings.gate, self.settings.min_speedup,
-                        self.settings.replace_optimizer, self.deadline)
-                self.snapshot.restore()
-                if self.fused_opt is not None:
-                    self.units.append(KeptUnit("fuse_optimizer", None, d.speedup, d.noise,
-                                               _saved(d.measurement), 1))
-            self.report.decisions.append(d)
-            log.info("rewriter: optimizer: %s: %s", d.status, d.reason)
+            log.info("rewriter: [%d/%d] %s: %s: %s", i, len(passes), p.name, d.status, d.reason)
+
+    def _decide_optimizer(self) -> None:
+        if self._out_of_time():
+            d = Decision("fuse_optimizer", False, "not reached",
+                         f"the time budget ({self.settings.time_budget:g} s) ran out first", scope="step")
+        else:
+            with self._phase("measure"):
+                d, self.fused_opt = gate_optimizer(
+                    self.job, self.clock, self.settings.gate, self.settings.min_speedup,
+                    self.settings.replace_optimizer, self.deadline)
+            self.snapshot.restore()
+            if self.fused_opt is not None:
+                self.units.append(KeptUnit("fuse_optimizer", None, d.speedup, d.noise,
+                                           _saved(d.measurement), 1))
+        self.report.decisions.append(d)
+        log.info("rewriter: optimizer: %s: %s", d.status, d.reason)
 
     def _try(self, p: Pass) -> Decision:
         why_not = p.applies_to(self.ctx)
@@ -271,7 +309,9 @@ class Run:
         groups: dict[str, list[tuple[GraphSlot, Region]]] = defaultdict(list)
         for slot, r in regions:
             groups[r.signature(device, mode, p.version, precision)].append((slot, r))
-        overlay = overlay_for(self.kept, dataclasses.replace(self.ctx, region=True))
+        precise = self.kept + ([KeptPass(q) for q in self.passes if q.sets_precision]
+                               if getattr(self, "_speculative", False) else [])
+        overlay = overlay_for(precise, dataclasses.replace(self.ctx, region=True))
         kept_sigs, rows, kept_structures, rejected_structures, rejected = set(), [], set(), set(), set()
         worst_err = 0.0
         for sig, members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
@@ -303,8 +343,10 @@ class Run:
                         verification=lead.get("verification", ""), scope="site", regions=rows)
 
     def _precision(self) -> str | None:
-        """The dtype a kept precision pass runs everything in (None: as captured)."""
-        if any(kp.pass_.sets_precision for kp in self.kept) and self.job.dtype is not None:
+        """The dtype a kept (or speculatively applied) precision pass runs everything in
+        (None: as captured)."""
+        speculative = getattr(self, "_speculative", False)
+        if (speculative or any(kp.pass_.sets_precision for kp in self.kept)) and self.job.dtype is not None:
             return str(self.job.dtype).replace("torch.", "")
         return None
 

@@ -10,12 +10,20 @@ import torch.nn.functional as F
 from torch.fx import GraphModule
 
 from rewriter import GateSettings, Pass, PassContext, PassError, Site
+from rewriter.backends import CpuBackend
 from rewriter.gate import Step
 from rewriter.ir import mark_new_node
 
 # Few pairs, no warm-up time: the controlled clock needs neither.
 QUICK = GateSettings(warmup=1, warmup_seconds=0.0, max_warmup=1, min_pairs=4, max_pairs=6,
                      budget_seconds=60.0)
+
+
+class Bf16Cpu(CpuBackend):
+    """The CPU backend as on a CPU with native bf16 GEMMs (AVX512-BF16/AMX), so precision
+    decisions are exercised on any CPU; the timings come from a controlled clock."""
+
+    amp_dtypes = (torch.bfloat16,)
 
 
 class ControlledClock:

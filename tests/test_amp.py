@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import rewriter
 from rewriter import amp
 from rewriter.backends import CpuBackend, NpuBackend
-from tests.controlled import QUICK, ControlledClock
+from tests.controlled import QUICK, Bf16Cpu, ControlledClock
 from tests.models import HandAttention
 
 HALF_FASTER = {"cast_to_half": 0.5}
@@ -40,6 +40,7 @@ def restore_amp_lists():
 
 def _opt(model, x, **kw):
     kw.setdefault("clock", ControlledClock(HALF_FASTER))
+    kw.setdefault("device", Bf16Cpu())
     return rewriter.optimize(model, (x,), passes=["cast_to_half"], gate=QUICK, progress=False,
                              profile=False, **kw)
 
@@ -77,7 +78,7 @@ def test_not_applicable_without_dtype_and_declined_for_a_dtype_the_device_lacks(
     model, x = _data()
     assert _opt(model, x).report.decisions[0].status == "not applicable"
     # fp16 GEMMs are slow on this CPU: the CPU backend offers only bf16
-    assert torch.float16 not in CpuBackend.amp_dtypes
+    assert torch.float16 not in CpuBackend().amp_dtypes
     declined = _opt(model.eval(), x, dtype=torch.float16).report.decisions[0]
     assert declined.status == "not applicable" and "torch.float16 is not a fast autocast dtype on cpu" in declined.reason
 
@@ -120,7 +121,7 @@ def test_twenty_training_steps_track_the_fp32_loss_curve():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     fast, opt = rewriter.optimize(model, (x,), optimizer=opt, loss_fn=lambda o: F.cross_entropy(o.float(), y),
-                                  dtype=torch.bfloat16, passes=["cast_to_half"],
+                                  dtype=torch.bfloat16, passes=["cast_to_half"], device=Bf16Cpu(),
                                   clock=ControlledClock(HALF_FASTER), gate=QUICK, progress=False, profile=False)
     assert fast.report.kept_passes[:1] == ["cast_to_half"]
     for step in range(20):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import rewriter
 from rewriter.gate import GateSettings, Measurement, Step, decide, measure
 from rewriter.region import find_regions
-from tests.controlled import QUICK, ControlledClock, RewriteRelu
+from tests.controlled import QUICK, Bf16Cpu, ControlledClock, RewriteRelu
 from tests.models import Blocks, ReluMLP
 
 
@@ -229,15 +229,38 @@ def test_regions_cut_out_the_rewritten_nodes_with_their_boundary():
     assert torch.equal(r.before(value)[0], value) and torch.equal(r.after(value)[0], F.relu(value))
 
 
-def test_a_precision_pass_is_decided_first_and_regions_are_measured_in_its_dtype(blocks):
-    from rewriter.backends import CpuBackend
-    if torch.bfloat16 not in CpuBackend().amp_dtypes:
-        pytest.skip("this CPU has no fast bf16: cast_to_half does not apply")
+def test_with_dtype_regions_are_measured_in_that_precision_and_it_is_decided_with_them(blocks):
     model, x = blocks
     clock = ControlledClock({"a": 0.5, "cast_to_half": 0.5})
-    fast = _opt(model, (x,), [RewriteRelu("a"), "cast_to_half"], clock, dtype=torch.bfloat16)
+    fast = _opt(model, (x,), [RewriteRelu("a"), "cast_to_half"], clock, dtype=torch.bfloat16,
+                device=Bf16Cpu())
     names = [d.pass_name for d in fast.report.decisions]
-    assert names[0] == "cast_to_half" and _decision(fast, "cast_to_half").kept
+    assert names == ["a", "cast_to_half"] and _decision(fast, "cast_to_half").kept
     a = _decision(fast, "a")
     assert a.kept and a.regions[0]["ran_in"] == "bfloat16"  # recorded in the bf16 graph
-    assert fast.report.plan["kept_passes"][-1] == "cast_to_half"
+    # the precision pass was measured with the kept rewrite in: its step contained "a"
+    assert ("a", "cast_to_half") in clock.seen
+    assert fast.report.plan["kept_passes"] == ["a", "cast_to_half"]
+
+
+def test_a_rejected_precision_sends_the_other_passes_back_to_full_precision(blocks):
+    model, x = blocks
+    clock = ControlledClock({"a": 0.5, "cast_to_half": 2.0})
+    fast = _opt(model, (x,), [RewriteRelu("a"), "cast_to_half"], clock, dtype=torch.bfloat16,
+                device=Bf16Cpu())
+    assert not _decision(fast, "cast_to_half").kept
+    a = _decision(fast, "a")
+    assert a.kept and a.regions[0]["ran_in"] == "float32"
+    assert [d.pass_name for d in fast.report.decisions].count("a") == 1
+    assert any("decided again at full precision" in n for n in fast.report.notes)
+    assert fast.report.kept_passes == ["a"]
+
+
+def test_a_cpu_without_native_bf16_declines_precision_lowering_with_the_reason(monkeypatch, blocks):
+    import rewriter.backends as backends
+    monkeypatch.setattr(backends, "cpu_has_native_bf16", lambda: False)
+    model, x = blocks
+    fast = _opt(model, (x,), ["cast_to_half"], ControlledClock({"cast_to_half": 0.5}),
+                dtype=torch.bfloat16)
+    d = _decision(fast, "cast_to_half")
+    assert d.status == "not applicable" and "bfloat16 is not a fast autocast dtype on cpu" in d.reason
