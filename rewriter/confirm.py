@@ -63,12 +63,12 @@ class Confirmation:
 
 def _confirm(self: Confirmation) -> bool:
     r = self.owner
-    if not _verified(self):
-        if not r.kept and r.fused_opt is None:
-            return False
+    if not _verified(self) and not r.kept and r.fused_opt is None:
+        r.report.final = {"kept": False, "reverted": list(self.reverted),
+                          "reason": "the composed model failed verification: " + "; ".join(self.reverted)}
+        return False
     widths = r.settings.gate.noise_widths
     m = _measure(self)
-    predicted = sum(u.saved_ms for u in r.units if u.saved_ms and math.isfinite(u.saved_ms))
     slower = _slower(m, r)
     first = m
     while slower and r.units:
@@ -78,6 +78,7 @@ def _confirm(self: Confirmation) -> bool:
             break
         m = _measure(self)
         slower = _slower(m, r)
+    predicted = sum(u.saved_ms for u in r.units if u.saved_ms and math.isfinite(u.saved_ms))
     final = {"measurement": m.to_dict(), "speedup": m.speedup, "noise": m.noise,
              "predicted_saving_ms": round(predicted, 4), "step_ms": m.baseline_ms,
              "reverted": list(self.reverted)}

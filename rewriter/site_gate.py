@@ -139,7 +139,8 @@ def measure_region(region: Region, values: list[Recorded], training: bool, *, cl
                          settings.region_sample_seconds)
         base = Step(_repeated(a, reps), (), "original region", scope="region", reps=reps)
         cand = Step(_repeated(b, reps), (region.pass_name,), "replacement", scope="region", reps=reps)
-        quick_warmup = dataclasses.replace(settings, warmup_seconds=settings.region_warmup_seconds)
+        quick_warmup = dataclasses.replace(settings, warmup_seconds=settings.region_warmup_seconds,
+                                           max_pairs=max(settings.max_pairs, settings.region_max_pairs))
         return measure(base, cand, clock=clock, settings=quick_warmup, min_speedup=min_speedup,
                        deadline=deadline)
 
