@@ -12,7 +12,7 @@ A candidate is kept only when its speedup is at least ``min_speedup`` and the sp
 noise widths is still above 1: a result the noise could explain is no result.
 
 A busy machine: load from other processes only ever makes a sample slower, so a sample far
-above its own variant's lower quartile (``outlier_factor`` times it) is flagged and left out
+above its own variant's lower decile (``outlier_factor`` times it) is flagged and left out
 of the statistics. When more than ``max_flagged`` of the pairs are flagged, the comparison is
 measured again once; flagged again, it is "inconclusive: the machine was busy", never a keep.
 
@@ -104,7 +104,7 @@ class GateSettings:
     region_warmup_seconds: float = 0.05   # a region is small: its caches settle fast
     region_max_pairs: int = 200  # region samples are short: more pairs, same budget
     confirm_pairs: int = 4  # the step check: fewest pairs (the models ran warm just before)
-    outlier_factor: float = 1.5  # a sample this many times its variant's lower quartile is flagged
+    outlier_factor: float = 1.5  # a sample this many times its variant's lower decile is flagged
     max_flagged: float = 0.25    # more flagged pairs than this: measure again, then inconclusive
     regression: float = 0.98     # the step check reverts only below this ratio (and the noise)
 
@@ -121,12 +121,12 @@ class Measurement:
 
     @property
     def flagged(self) -> list[bool]:
-        """Per pair: a sample of it far above its own variant's usual (lower-quartile) time."""
+        """Per pair: a sample of it far above its own variant's usual (lower-decile) time."""
         if not self.baseline_times:
             return []
         earlier_a, earlier_b = self.earlier or ([], [])
-        lo_a = _lower_quartile(self.baseline_times + earlier_a)
-        lo_b = _lower_quartile(self.candidate_times + earlier_b)
+        lo_a = _lower_decile(self.baseline_times + earlier_a)
+        lo_b = _lower_decile(self.candidate_times + earlier_b)
         f = self.outlier_factor
         return [a > f * lo_a or b > f * lo_b
                 for a, b in zip(self.baseline_times, self.candidate_times)]
@@ -185,12 +185,12 @@ class Measurement:
                 "busy": self.busy}
 
 
-def _lower_quartile(times: list[float]) -> float:
-    """Load only ever slows a sample down: the lower quartile is the variant's unloaded time
+def _lower_decile(times: list[float]) -> float:
+    """Load only ever slows a sample down: the lower decile is the variant's unloaded time
     even when a burst hit most samples, and a load that lasts the whole comparison (which
     slows both variants alike) moves it with the samples."""
     ordered = sorted(times)
-    return ordered[(len(ordered) - 1) // 4]
+    return ordered[(len(ordered) - 1) // 10]
 
 
 def _finite(x: float) -> float | None:
