@@ -103,6 +103,8 @@ class GateSettings:
     region_sample_seconds: float = 0.003  # a region sample repeats the region this long
     region_warmup_seconds: float = 0.05   # a region is small: its caches settle fast
     region_max_pairs: int = 200  # region samples are short: more pairs, same budget
+    region_min_pairs: int = 20   # and no early verdict on a handful of them
+    negligible: float = 0.001    # a region saving less than this share of the step is not kept
     confirm_pairs: int = 4  # the step check: fewest pairs (the models ran warm just before)
     outlier_factor: float = 1.5  # a sample this many times its variant's lower decile is flagged
     max_flagged: float = 0.25    # more flagged pairs than this: measure again, then inconclusive

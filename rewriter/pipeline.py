@@ -384,6 +384,8 @@ class Run:
             keep, reason = verdict(known["speedup"], known["noise"], known["pairs"],
                                    self.settings.min_speedup, self.settings.gate.noise_widths,
                                    known["baseline_ms"], known["candidate_ms"])
+            keep, reason = self._negligible(
+                keep, reason, (known["baseline_ms"] - known["candidate_ms"]) * len(members))
             row.update(kept=keep, status="kept" if keep else "rejected", source="knowledge base",
                        reason=f"{reason} (knowledge base, measured {known.get('recorded', '')})",
                        speedup=known["speedup"], noise=known["noise"], measurement=known,
@@ -399,6 +401,7 @@ class Run:
                                settings=self.settings.gate, min_speedup=self.settings.min_speedup,
                                forms=self._forms(r, overlay), deadline=self.deadline)
         keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
+        keep, reason = self._negligible(keep, reason, m.saved_ms * len(members))
         row.update(kept=keep, status="kept" if keep else "rejected", source="measured",
                    reason=reason, speedup=m.speedup, noise=m.noise, measurement=m.to_dict(),
                    region_ms_before=m.baseline_ms, region_ms_after=m.candidate_ms,
@@ -414,6 +417,15 @@ class Run:
             ok, _, err = self._verify_candidate()
             self._agrees_for = (p, ok, err or 0.0)
         return self._agrees_for[1]
+
+    def _negligible(self, keep: bool, reason: str, saved_ms: float) -> tuple[bool, str]:
+        """A region too small to matter (a few microseconds of index arithmetic) is not kept:
+        its measurement is mostly call overhead, and its saving is lost in any step."""
+        step_ms = 1e3 * self.step_seconds
+        if keep and step_ms > 0 and saved_ms < self.settings.gate.negligible * step_ms:
+            return False, (f"negligible: saves {saved_ms:.4f} ms of a ~{step_ms:.0f} ms step "
+                           f"(under {100 * self.settings.gate.negligible:g}%); {reason}")
+        return keep, reason
 
     @staticmethod
     def _values(values: dict[str, dict[str, Recorded]], slot: GraphSlot, r: Region) -> list[Recorded]:

@@ -264,3 +264,11 @@ def test_a_cpu_without_native_bf16_declines_precision_lowering_with_the_reason(m
                 dtype=torch.bfloat16)
     d = _decision(fast, "cast_to_half")
     assert d.status == "not applicable" and "bfloat16 is not a fast autocast dtype on cpu" in d.reason
+
+
+def test_a_region_too_small_to_matter_is_not_kept(blocks):
+    model, x = blocks
+    # the region "saves" half of a tenth of a microsecond: nothing a step could notice
+    fast = _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 0.5}, base=1e-7))
+    d = _decision(fast, "a")
+    assert not d.kept and "negligible" in d.reason
