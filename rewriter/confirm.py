@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -87,9 +88,10 @@ def _confirm(self: Confirmation) -> bool:
                      f"decision was reverted ({', '.join(self.reverted)})")
         r.report.final = final
         return False
-    if m.busy:
-        reason = ("inconclusive on the whole step: the machine was busy; the kept decisions stand "
-                  "on their own measurements")
+    if m.busy or m.out_of_time:
+        why = "the machine was busy" if m.busy else "the time budget ran out"
+        reason = (f"inconclusive on the whole step: {why}; the kept decisions stand on their own "
+                  "measurements")
     elif slower:
         reason = f"slower: {figure(m)}"  # units ran out (nothing left to revert)
     elif m.speedup - widths * m.noise > 1.0:
@@ -120,8 +122,11 @@ def _measure(self: Confirmation) -> Measurement:
     # Both models ran just before (reference, capture and composed checks): one warm-up pair.
     once = dataclasses.replace(g, warmup=1, warmup_seconds=0.0, max_warmup=1,
                                min_pairs=min(g.min_pairs, g.confirm_pairs))
+    # The budget holds the confirmation's reserve back; past it, the step check takes only the
+    # fewest pairs (and inconclusive stays inconclusive: the region decisions stand).
+    deadline = None if r.deadline is None else max(r.deadline, time.perf_counter() + r._confirm_reserve())
     m = measure(r.original_step(), r.composed_step(), clock=r.clock, settings=once,
-                min_speedup=1.0)
+                min_speedup=1.0, deadline=deadline)
     r.snapshot.restore()
     return m
 

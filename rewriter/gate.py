@@ -120,6 +120,7 @@ class Measurement:
     remeasured: bool = False  # the first try had too many flagged samples
     busy: bool = False        # so had the second: no conclusion
     earlier: tuple[list[float], list[float]] | None = None  # an earlier try's samples
+    out_of_time: bool = False  # stopped by the deadline before the fewest pairs
 
     @property
     def flagged(self) -> list[bool]:
@@ -184,7 +185,7 @@ class Measurement:
         return {"speedup": _finite(self.speedup), "noise": _finite(self.noise), "pairs": self.pairs,
                 "baseline_ms": _finite(self.baseline_ms), "candidate_ms": _finite(self.candidate_ms),
                 "flagged": sum(self.flagged), "reps": self.reps, "remeasured": self.remeasured,
-                "busy": self.busy}
+                "busy": self.busy, "out_of_time": self.out_of_time}
 
 
 def _lower_decile(times: list[float]) -> float:
@@ -217,7 +218,8 @@ def measure(baseline: Step, candidate: Step, *, clock: Clock, settings: GateSett
         baseline.run()
         candidate.run()
     m = _pairs(baseline, candidate, clock, settings, min_speedup, deadline)
-    if m.flagged_fraction > settings.max_flagged:
+    if m.flagged_fraction > settings.max_flagged and not m.out_of_time \
+            and (deadline is None or time.perf_counter() < deadline):
         log.info("rewriter: %s vs %s: %d of %d samples far above their variant's usual time (a busy "
                  "machine?); measuring again", baseline.label, candidate.label, sum(m.flagged),
                  len(m.flagged))
@@ -225,6 +227,8 @@ def measure(baseline: Step, candidate: Step, *, clock: Clock, settings: GateSett
         m = _pairs(baseline, candidate, clock, settings, min_speedup, deadline, earlier)
         m.remeasured = True
         m.busy = m.flagged_fraction > settings.max_flagged
+    elif m.flagged_fraction > settings.max_flagged:
+        m.busy = True  # no time left to measure again
     return m
 
 
@@ -240,6 +244,9 @@ def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings
         a, b = (t_first, t_second) if first is baseline else (t_second, t_first)
         m.baseline_times.append(a)
         m.candidate_times.append(b)
+        if deadline is not None and time.perf_counter() > deadline and i + 1 < settings.min_pairs:
+            m.out_of_time = True  # the budget ends here: no verdict from a few pairs
+            break
         if i + 1 >= settings.min_pairs and (
                 (m.flagged_fraction <= settings.max_flagged
                  and _conclusive(m, min_speedup, settings.noise_widths))
@@ -265,6 +272,8 @@ def _figure(s: float, n: float, pairs: int, base_ms: float | None, cand_ms: floa
 
 def decide(m: Measurement, min_speedup: float, noise_widths: float = 2.0) -> tuple[bool, str]:
     """Keep or not, and the reason in words."""
+    if m.out_of_time:
+        return False, f"not reached: the time budget ran out after {len(m.baseline_times)} pair(s)"
     if m.busy:
         return False, (f"inconclusive: the machine was busy ({sum(m.flagged)} of {len(m.flagged)} "
                        f"samples over {m.outlier_factor:g}x their variant's usual time, measured twice)")

@@ -272,3 +272,20 @@ def test_a_region_too_small_to_matter_is_not_kept(blocks):
     fast = _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 0.5}, base=1e-7))
     d = _decision(fast, "a")
     assert not d.kept and "negligible" in d.reason
+
+
+class SlowClock(ControlledClock):
+    """Each sample also takes real time, so the budget runs out while measuring."""
+
+    def time(self, step):
+        time.sleep(0.05)
+        return super().time(step)
+
+
+def test_the_budget_stops_a_measurement_in_progress_and_nothing_is_kept_from_it(blocks):
+    model, x = blocks
+    clock = SlowClock({"a": 0.5})
+    fast = _opt(model, (x,), [RewriteRelu("a")], clock, time_budget=0.4)
+    d = _decision(fast, "a")
+    assert not d.kept and "time budget" in d.reason
+    assert clock.calls < 40  # stopped, not the 200 pairs a region may take
