@@ -101,6 +101,7 @@ def runs(tmp_path_factory):
 def test_training_step_is_rewritten_and_the_loss_matches_step_by_step(runs):
     (_, plain), (_, rewritten), callback = runs["plain"], runs["rewritten"], runs["callback"]
     assert callback.error is None and callback.report is not None
+    assert callback.report.model == "TinyModule" and callback.report.mode == "training"
     assert {"fuse_attention", "fuse_optimizer"} <= set(callback.report.kept_passes)
     assert "scaled_dot_product_attention" in "".join(callback._step.fast.graph_code().values())
     assert callback._step.rewritten_calls == STEPS

@@ -104,6 +104,7 @@ def _checkpoints(trainer) -> list[str]:
 def test_trainer_loss_matches_the_plain_run_step_by_step(runs):
     plain, rewritten, callback = runs["plain"], runs["rewritten"], runs["callback"]
     assert callback.error is None and callback.report is not None
+    assert callback.report.model == "GPT2LMHeadModel" and callback.report.mode == "training"
     assert {"fuse_attention", "fuse_optimizer"} <= set(callback.report.kept_passes)
     assert "scaled_dot_product_attention" in "".join(callback._step.fast.graph_code().values())
     # every training step after the first batch's decision ran the rewritten graphs
@@ -152,9 +153,14 @@ def test_a_checkpoint_saved_mid_run_loads_into_the_plain_class_and_back(runs, tm
     assert list(got.state_dict()) == list(want.state_dict())
     for (name, g), w in zip(got.state_dict().items(), want.state_dict().values()):
         torch.testing.assert_close(g, w, msg=lambda m, name=name: f"{name}: {m}")
-    # ... and back: the plain run's checkpoint resumes with the callback on, and the remaining
-    # steps match the plain run's
-    resumed = _train(tmp_path, [_callback()], resume=str(pathlib.Path(runs["plain"].args.output_dir) / mid))
+    # ... and back: the plain run's checkpoint resumes with the callback on (replaying the plan
+    # the first run saved, so nothing is measured again), and the remaining steps match the
+    # plain run's
+    plan = pathlib.Path(runs["rewritten"].args.output_dir) / "rewriter" / "plan.json"
+    callback = _callback(plan=str(plan))
+    resumed = _train(tmp_path, [callback], resume=str(pathlib.Path(runs["plain"].args.output_dir) / mid))
+    assert callback.report.kept_passes == runs["callback"].report.kept_passes
+    assert "replayed" in callback.report.plan_status
     assert resumed.state.global_step == STEPS and len(resumed.losses) == STEPS - SAVE_EVERY
     torch.testing.assert_close(torch.stack(resumed.losses), torch.stack(runs["plain"].losses[SAVE_EVERY:]))
 

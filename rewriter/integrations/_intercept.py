@@ -65,6 +65,9 @@ class ModuleShell(nn.Module):
         d["_shell_name"] = name
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.fx._symbolic_trace.is_fx_tracing():
+            # A trainer's step takes the trainer's batch as it comes: Dynamo captures it.
+            raise TypeError("a trainer's step is captured by Dynamo, not symbolic_trace")
         return self._call(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -107,7 +110,9 @@ class MethodInterceptor:
             # The class's method, or what was already installed (accelerate's autocast forward)
             call = self._previous if self._had_own else types.MethodType(
                 getattr(type(self.model), self.method), self.model)
-            self.shell = ModuleShell(self.model, call, f"{type(self.model).__name__}.{self.method}")
+            # Named after the model's class: the report and the progress lines say "GPT2LMHeadModel"
+            shell_type = type(type(self.model).__name__, (ModuleShell,), {"__module__": __name__})
+            self.shell = shell_type(self.model, call, f"{type(self.model).__name__}.{self.method}")
 
         @functools.wraps(original)  # the trainer inspects the signature (Lightning's batch_idx)
         def dispatch(*args: Any, **kwargs: Any) -> Any:
