@@ -176,3 +176,17 @@ def test_manual_optimization_is_left_alone_with_the_reason(tmp_path):
     trainer.fit(Manual(), train_dataloaders=_loader())
     assert trainer.global_step == 1
     assert callback.report is None and "manual optimization" in callback.error
+
+
+def test_optimize_leaves_no_lightning_compile_attribute_on_the_model():
+    """Importing lightning replaces torch.compile by a wrapper that writes ``_compile_kwargs``
+    onto the compiled module, i.e. onto the user's model; rewriter's capture uses torch's own."""
+    import rewriter
+    assert hasattr(torch.compile, "__wrapped__")  # lightning's wrapper is in place
+    model = AttentionBlock().train()
+    before = sorted(vars(model))
+    rewriter.optimize(model, (torch.randn(2, SEQ, DIM),), front_end="dynamo", passes=["fuse_attention"],
+                      loss_fn=lambda out: out.sum(), gate=QUICK, clock=ControlledClock(FASTER),
+                      profile=False, progress=False)
+    # torch.compile marks the module it wraps with ``_is_torch_compile`` (torch's own doing)
+    assert sorted(k for k in vars(model) if k != "_is_torch_compile") == before
