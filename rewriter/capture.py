@@ -14,6 +14,7 @@ so the gate measures the *whole* step with and without a rewrite and nothing rec
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import warnings
 from dataclasses import dataclass
@@ -189,7 +190,11 @@ class DynamoCapture(Capture):
         self.on_new_graph: Callable[[GraphSlot], None] | None = None
         self.then_compile = then_compile
         self._model_tensors = {id(t) for t in list(model.parameters()) + list(model.buffers())}
-        self.compiled = torch.compile(model, backend=self._backend, dynamic=None)
+        # torch's own torch.compile: importing Lightning replaces it with a wrapper that writes
+        # ``_compile_kwargs`` onto the compiled module, i.e. onto the user's model (and Fabric
+        # would then take the model for one the user compiled).
+        plain_compile = inspect.unwrap(torch.compile)
+        self.compiled = plain_compile(model, backend=self._backend, dynamic=None)
 
     def _backend(self, gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self.left_as_modules += functionalize_leaf_modules(gm)
