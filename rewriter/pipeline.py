@@ -190,7 +190,7 @@ class Run:
     def _confirm_reserve(self) -> float:
         """Time kept back for the confirmation: warm-up and the fewest pairs of two steps."""
         g = self.settings.gate
-        return self.step_seconds * 2 * (g.warmup + g.min_pairs) * 1.5
+        return self.step_seconds * 2 * (1 + min(g.min_pairs, g.confirm_pairs)) * 1.25
 
     def _out_of_time(self) -> bool:
         return self._remaining() < self._confirm_reserve()
@@ -237,12 +237,8 @@ class Run:
 
     def _decide_each(self, passes: list[Pass]) -> None:
         for i, p in enumerate(passes, 1):
-            if self._out_of_time():
-                d = Decision(p.name, False, "not reached",
-                             f"the time budget ({self.settings.time_budget:g} s) ran out first")
-            else:
-                d = self._try(p)
-                self.snapshot.restore()
+            d = self._try(p)  # finding sites is cheap; measuring them checks the budget
+            self.snapshot.restore()
             self.report.decisions.append(d)
             log.info("rewriter: [%d/%d] %s: %s: %s", i, len(passes), p.name, d.status, d.reason)
 
@@ -332,7 +328,8 @@ class Run:
             self.kept.append(KeptPass(p, kept_sigs, kept_structures,
                                       rejected_structures - kept_structures, rejected, precision))
         lead = rows[0]
-        status = "kept" if kept_sigs else (lead["status"] if len(rows) == 1 else "rejected")
+        statuses = {r["status"] for r in rows}
+        status = "kept" if kept_sigs else (statuses.pop() if len(statuses) == 1 else "rejected")
         kept_sites = sum(r["sites"] for r in rows if r["kept"])
         reason = (f"{len(kept_sigs)} of {len(rows)} signature(s) kept ({kept_sites} of "
                   f"{len(regions)} sites); " if len(rows) > 1 else "") + \
@@ -475,6 +472,11 @@ class Run:
 
     # --- a pass decided on the whole step ------------------------------------------------------
     def _try_on_step(self, p: Pass, descriptions: list[str], note: str = "") -> Decision:
+        if self._out_of_time():
+            self._reject_all()
+            return Decision(p.name, False, "not reached", f"{len(descriptions)} site(s) found; the "
+                            f"time budget ({self.settings.time_budget:g} s) ran out before measuring",
+                            sites=descriptions, scope="step")
         with self._phase("verify"):
             ok, detail, err = self._verify_candidate()
         if not ok:
