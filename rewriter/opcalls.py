@@ -149,14 +149,16 @@ def parse_npu_shapes(text: str) -> Signature:
     return tuple(sig)
 
 
-def _read_csv(path: str) -> list[dict[str, str]]:
+def read_csv(path: str) -> list[dict[str, str]]:
+    """Rows of a profiler CSV (torch_npu's kernel/operator details); none when it is absent."""
     if not os.path.exists(path):
         return []
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
 
 
-def _num(value: str | None) -> float:
+def csv_number(value: str | None) -> float:
+    """A CSV cell as a number; empty and "N/A" cells count as 0."""
     try:
         return float(value) if value not in (None, "", "N/A") else 0.0
     except ValueError:
@@ -198,9 +200,9 @@ def calls_from_ascend(output_dir: str) -> list[OpCall]:
     origins come from ``operator_details.csv``'s ``Call Stack`` (filled with ``with_stack``)
     of the operator the kernel serves. Without kernel_details.csv, operator_details.csv's rows
     (host operators, dtypes unknown: fp32 assumed) stand in."""
-    op_rows = _read_csv(os.path.join(output_dir, "operator_details.csv"))
+    op_rows = read_csv(os.path.join(output_dir, "operator_details.csv"))
     origins = _operator_origins(op_rows)
-    kernels = _read_csv(os.path.join(output_dir, "kernel_details.csv"))
+    kernels = read_csv(os.path.join(output_dir, "kernel_details.csv"))
     calls = []
     if kernels:
         for r in kernels:
@@ -210,14 +212,14 @@ def calls_from_ascend(output_dir: str) -> list[OpCall]:
             outs = parse_npu_shapes(r.get("Output Shapes", ""))
             names = _KERNEL_OPS.get(kind.lower(), (kind,))
             origin = next((origins[n] for n in names if n in origins), None)
-            calls.append(OpCall(kind, _num(r.get("Duration(us)")), shapes, dtypes,
+            calls.append(OpCall(kind, csv_number(r.get("Duration(us)")), shapes, dtypes,
                                 op_cost(kind, shapes, dtypes, (), outs), origin))
         return calls
-    use_device = any(_num(r.get("Device Self Duration(us)")) for r in op_rows)
+    use_device = any(csv_number(r.get("Device Self Duration(us)")) for r in op_rows)
     for r in op_rows:
         name = r.get("Name", "")
         shapes = parse_npu_shapes(r.get("Input Shapes", ""))
-        self_us = _num(r.get(f"{'Device' if use_device else 'Host'} Self Duration(us)"))
+        self_us = csv_number(r.get(f"{'Device' if use_device else 'Host'} Self Duration(us)"))
         frames = _stack_frames(r.get("Call Stack", ""))
         origin = origin_from_frames(frames, name.split("::", 1)[-1]) if frames else None
         calls.append(OpCall(name, self_us, shapes, (), op_cost(name, shapes), origin))

@@ -45,7 +45,6 @@ profiler's overhead: they show where time goes, they are not the gate's measurem
 from __future__ import annotations
 
 import contextlib
-import csv
 import glob
 import json
 import logging
@@ -66,7 +65,13 @@ import torch
 from rewriter.attribution import is_python_frame
 from rewriter.backends import Backend, get_backend, import_torch_npu
 from rewriter.op_analysis import OpAnalysis, analyze
-from rewriter.opcalls import calls_from_ascend, calls_from_torch, parse_npu_shapes
+from rewriter.opcalls import (
+    calls_from_ascend,
+    calls_from_torch,
+    csv_number,
+    parse_npu_shapes,
+    read_csv,
+)
 from rewriter.peaks import Peaks, resolve_peaks
 from rewriter.roofline import describe_origins, plot_roofline
 
@@ -452,33 +457,19 @@ def _result_from_torch(prof: Any, backend: Backend, settings: ProfileSettings, l
 
 # --- building tables from torch_npu.profiler output (§3.2, §3.3) ----------------------------
 
-def _read_csv(path: str) -> list[dict[str, str]]:
-    if not os.path.exists(path):
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def _num(value: str | None) -> float:
-    try:
-        return float(value) if value not in (None, "", "N/A") else 0.0
-    except ValueError:
-        return 0.0
-
-
 _npu_signature = parse_npu_shapes  # ``"8,64;64,48;"`` -> ``((8, 64), (64, 48), ())`` (§3.3)
 
 
 def _rows_from_operator_details(path: str, steps: int) -> tuple[list[OpRow], list[OpRow]]:
     """operator_details.csv has one line per operator call; aggregate by name, and by shapes."""
-    lines = _read_csv(path)
-    use_device = any(_num(r.get("Device Self Duration(us)")) for r in lines)
+    lines = read_csv(path)
+    use_device = any(csv_number(r.get("Device Self Duration(us)")) for r in lines)
     kind = "Device" if use_device else "Host"
     by_name: dict[str, list] = {}
     by_shape: dict[tuple[str, str], list] = {}
     for r in lines:
-        self_us = _num(r.get(f"{kind} Self Duration(us)"))
-        total_us = _num(r.get(f"{kind} Total Duration(us)"))
+        self_us = csv_number(r.get(f"{kind} Self Duration(us)"))
+        total_us = csv_number(r.get(f"{kind} Total Duration(us)"))
         for key, table in ((r["Name"], by_name), ((r["Name"], r.get("Input Shapes", "")), by_shape)):
             acc = table.setdefault(key, [0, 0.0, 0.0])
             acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + self_us, acc[2] + total_us
@@ -489,11 +480,11 @@ def _rows_from_operator_details(path: str, steps: int) -> tuple[list[OpRow], lis
 
 def _kernels_from_kernel_details(path: str, steps: int) -> list[KernelRow]:
     acc: dict[tuple[str, str, tuple[str, ...]], list] = {}
-    for r in _read_csv(path):
+    for r in read_csv(path):
         dtypes = tuple(d.strip() for d in r.get("Input Data Types", "").split(";") if d.strip())
         a = acc.setdefault((r.get("Type", r.get("Name", "")), r.get("Accelerator Core", ""), dtypes),
                            [0, 0.0, r.get("Input Shapes", "")])
-        a[0], a[1] = a[0] + 1, a[1] + _num(r.get("Duration(us)"))
+        a[0], a[1] = a[0] + 1, a[1] + csv_number(r.get("Duration(us)"))
     kernels = [KernelRow(t, core, max(1, round(c / steps)), us / steps / 1e3, dt, shapes)
                for (t, core, dt), (c, us, shapes) in acc.items()]
     return sorted(kernels, key=lambda k: k.duration_ms, reverse=True)
@@ -533,7 +524,7 @@ def _annotation_rows(timed: list[TimedEvent], steps: int) -> tuple[list[OpRow], 
 
 
 def _npu_peak_mb(path: str) -> float | None:
-    values = [_num(r.get("Allocation Total Allocated(MB)")) for r in _read_csv(path)]
+    values = [csv_number(r.get("Allocation Total Allocated(MB)")) for r in read_csv(path)]
     return max(values) if values else None
 
 
