@@ -354,6 +354,15 @@ def chains(gm: GraphModule) -> tuple[list[Chain], list[str]]:
     return found, declined
 
 
+def _covered(chain: Chain) -> tuple[Node, ...]:
+    """What the rewrite changes under the same names: the chain, and the readers that take its
+    int32 values as they are (a comparison, an embedding): the site's region (rewriter.region)."""
+    members = set(chain.nodes)
+    readers = [u for n in chain.nodes for u in n.users
+               if u not in members and u not in chain.exits.get(n, ())]
+    return tuple(dict.fromkeys(chain.nodes + readers))
+
+
 class NarrowInt64(Pass):
     name = "narrow_int64"
     contract = "exact"
@@ -367,7 +376,8 @@ class NarrowInt64(Pass):
             hi = max(iv.hi for iv in chain.ranges.values())
             guard = f"; sizes checked <= {MAX_SIZE} at run time" if chain.sizes else ""
             sites.append(Site(chain.sources[0], f"{', '.join(ops)}: int64 -> int32 (values in "
-                                                f"[{lo}, {hi}]{guard})", chain))
+                                                f"[{lo}, {hi}]{guard})", chain,
+                              covers=_covered(chain)))
         return sites
 
     def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:

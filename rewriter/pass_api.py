@@ -40,6 +40,9 @@ class Site:
     anchor: Any  # the fx Node the rewrite replaces (its output keeps the same users)
     description: str
     match: Any = None
+    # Nodes the rewrite changes without renaming them or their arguments (a chain recomputed
+    # in another dtype): their region includes them, though each computes "the same" call.
+    covers: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ region; sites whose anchors fall into one region are decided together.
 
 The signature of a region (pass, both graphs' structure, boundary shapes, dtypes, strides) is
 what decides whether two sites are "the same": measured once, stored in the knowledge base.
+A site may name the nodes it ``covers``: ones the rewrite changes without a new name (an int64
+chain recomputed in int32 reads the same calls, yet every value in it changes dtype).
 A pass whose change is not local (nodes that write in place, changes no site accounts for)
 gets a reason instead of regions, and the gate measures it on the whole step.
 """
@@ -120,7 +122,9 @@ def find_regions(kept: GraphModule, candidate: GraphModule, sites: list[Site], p
     """The regions ``candidate`` differs from ``kept`` in, or why they cannot be cut out."""
     k_nodes = {n.name: n for n in kept.graph.nodes}
     c_nodes = {n.name: n for n in candidate.graph.nodes}
-    shared = {name for name, n in k_nodes.items() if name in c_nodes and _same(n, c_nodes[name])}
+    covered = {n.name if isinstance(n, Node) else n for s in sites for n in s.covers}
+    shared = {name for name, n in k_nodes.items()
+              if name in c_nodes and name not in covered and _same(n, c_nodes[name])}
     k_inner = [n for n in kept.graph.nodes if n.name not in shared]
     c_inner = [n for n in candidate.graph.nodes if n.name not in shared]
     for n in k_inner + c_inner:

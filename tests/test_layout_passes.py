@@ -203,6 +203,30 @@ def test_narrow_int64_size_reads_are_checked_at_run_time():
     assert torch.equal(got, want)
 
 
+class PositionsThroughViews(nn.Module):
+    """LLaMA's position ids: arange + offset, a view, a comparison, then a float use."""
+
+    def forward(self, x):
+        pos = torch.arange(x.size(1)) + 0
+        row = pos[None, :]
+        keep = row <= pos[:, None]
+        return x * row.float() + keep.float().sum(-1)
+
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+def test_narrow_int64_chain_is_one_local_region_with_its_views(front_end):
+    # The chain's nodes keep their names and calls but change dtype: the site covers them, so
+    # its region runs from the arange to the cast back, and the gate measures it on its own
+    # instead of on the whole step.
+    model, x = PositionsThroughViews(), torch.randn(3, 6)
+    fast = rewriter.optimize(model, (x,), passes=["narrow_int64"], progress=False, profile=False,
+                             gate=QUICK, clock=ControlledClock({"narrow_int64": 0.5}))
+    d, = fast.report.decisions
+    assert d.scope == "site" and "whole step" not in d.reason, d.reason
+    assert d.regions and d.regions[0]["boundary"] is not None
+    torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("form", ["input", "too_big", "no_arithmetic", "in_place"])
 def test_narrow_int64_declines(form):
     model, ids = IntChain(form), torch.randint(0, 9, (2, 6))

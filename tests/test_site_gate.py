@@ -50,6 +50,26 @@ def test_identical_sites_are_one_signature_measured_once(blocks):
                                                               rel=0.05)
 
 
+def test_a_deep_stack_of_identical_sites_verifies_a_sample_then_the_whole_model(monkeypatch):
+    # Verifying costs the same at any depth: first, middle and last of ten identical sites
+    # against float64; the composed model is then verified whole once.
+    import rewriter.pipeline as pipeline
+    torch.manual_seed(0)
+    model, x = Blocks(n=10).eval(), torch.randn(8, 16)
+    checked, whole = [], []
+    real_region, real_whole = pipeline.verify_region, pipeline.Run._verify_candidate
+    monkeypatch.setattr(pipeline, "verify_region", lambda r, *a, **k: checked.append(r.label) or real_region(r, *a, **k))
+    monkeypatch.setattr(pipeline.Run, "_verify_candidate",
+                        lambda self, composed=False: whole.append(composed) or real_whole(self, composed))
+    fast = _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 0.5}))
+    d = _decision(fast, "a")
+    assert d.kept and d.regions[0]["sites"] == 10 and d.regions[0]["verified_sites"] == 3
+    assert len(checked) == 3 and len(set(checked)) == 3
+    assert "3 of 10 sites checked" in d.regions[0]["verification"]
+    assert True in whole  # the composed model, verified whole
+    torch.testing.assert_close(fast(x), model(x))
+
+
 def test_sites_of_different_shapes_are_different_signatures():
     torch.manual_seed(0)
 
