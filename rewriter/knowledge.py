@@ -10,7 +10,8 @@ base, reuse it automatically", for rewrites::
     entry = kb.get(key)              # None, or {"kept": ..., "speedup": ..., ...}
     kb.put(key, {...}); kb.save()
 
-Only conclusive timings are stored (kept, slower, below the margin, within noise); a comparison
+The fused optimizer's own-step timing is stored the same way, under a signature of the step
+(rewriter.optimizer_gate.step_signature). Only conclusive timings are stored (kept, slower, below the margin, within noise); a comparison
 a busy machine spoiled is not. Verification is never taken from here: every site is verified
 in every run. The default location is ``$REWRITER_KNOWLEDGE_BASE`` (a file path, or ``off``),
 else ``$XDG_CACHE_HOME/rewriter/knowledge_base.json`` (``~/.cache`` when unset).

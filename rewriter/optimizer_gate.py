@@ -4,12 +4,22 @@ The update runs on scratch copies of the parameters, gradients and state (the us
 touched): first 5 steps from the same state must give the same parameters as the original
 optimizer, then the two steps are timed side by side like any other candidate::
 
-    decision, chosen = gate_optimizer(job, clock, gate_settings, min_speedup)
+    decision, chosen = gate_optimizer(job, clock, gate_settings, min_speedup, knowledge_base=kb)
+
+Its timing is stored in the knowledge base under a signature of the step (optimizer class, the
+flags that choose its kernels, the parameters' shapes and dtypes, device, versions), like a
+region's: a second run of the same training job verifies the fused step again (cheap, and
+never taken from the knowledge base) but does not time it again.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+from typing import Any
+
 from rewriter import optimizers
-from rewriter.gate import Clock, GateSettings, Step, decide, measure
+from rewriter.gate import Clock, GateSettings, Step, decide, measure, verdict
+from rewriter.knowledge import KnowledgeBase, entry_key
 from rewriter.job import Job
 from rewriter.report import Decision
 from rewriter.verify import Tolerance, compare_runs
@@ -19,8 +29,28 @@ OPTIMIZER_STEPS = 5
 OPTIMIZER_TOLERANCE = Tolerance(rtol=1e-5, atol_scale=1e-6)
 
 
+# Group options that choose how the update runs (its kernel and its work), unlike lr or betas.
+_KERNEL_FLAGS = ("foreach", "fused", "amsgrad", "maximize", "capturable", "differentiable",
+                 "decoupled_weight_decay", "nesterov", "centered", "momentum")
+
+
+def step_signature(optimizer: Any, cand: optimizers.OptimizerCandidate, device: str) -> str:
+    """What makes two optimizer steps one timing: readable text (hashed into a key)."""
+    groups = []
+    for g in optimizer.param_groups:
+        flags = {k: g[k] for k in _KERNEL_FLAGS if k in g and isinstance(g[k], (bool, int, float, type(None)))}
+        flags["weight_decay"] = bool(g.get("weight_decay"))
+        shapes = [[list(p.shape), str(p.dtype)] for p in g["params"] if p.requires_grad]
+        groups.append({"flags": flags, "params": hashlib.sha256(
+            json.dumps(shapes).encode()).hexdigest()[:16], "count": len(shapes)})
+    return json.dumps({"pass": "fuse_optimizer", "optimizer": type(optimizer).__name__,
+                       "candidate": cand.description, "device": device, "groups": groups},
+                      sort_keys=True)
+
+
 def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: float,
-                   replace_allowed: bool = True, deadline: float | None = None
+                   replace_allowed: bool = True, deadline: float | None = None,
+                   knowledge_base: KnowledgeBase | None = None
                    ) -> tuple[Decision, optimizers.OptimizerCandidate | None]:
     """Try the fused forms of the job's optimizer; the first that passes wins."""
     found, why_none = optimizers.candidates(job.optimizer, job.backend)
@@ -35,12 +65,30 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
         if not ok:
             tried.append(f"{cand.description}: failed verification ({detail})")
             continue
+        key = entry_key(step_signature(job.optimizer, cand, job.backend.name), job.backend.versions())
+        known = knowledge_base.get(key) if knowledge_base is not None else None
+        if known is not None:
+            keep, reason = verdict(known["speedup"], known["noise"], known["pairs"], min_speedup,
+                                   settings.noise_widths, known["baseline_ms"], known["candidate_ms"])
+            decision = Decision("fuse_optimizer", keep, "kept" if keep else "rejected",
+                                f"{cand.description}, on its own step: {reason} (knowledge base, "
+                                f"measured {known.get('recorded', '')})", speedup=known["speedup"],
+                                noise=known["noise"], max_abs_error=err, sites=[cand.description],
+                                measurement=known, scope="step")
+            if keep:
+                return decision, cand
+            tried.append(decision.reason)
+            continue
         base, _ = optimizers.scratch_optimizer(job.optimizer, None, seed=1)
         fused, _ = optimizers.scratch_optimizer(job.optimizer, cand, seed=1)
         m = measure(Step(base.step, (), "optimizer step", scope="optimizer"),
                     Step(fused.step, ("fuse_optimizer",), "fused step", scope="optimizer"),
                     clock=clock, settings=settings, min_speedup=min_speedup, deadline=deadline)
         keep, reason = decide(m, min_speedup, settings.noise_widths)
+        if knowledge_base is not None and not m.busy and not m.out_of_time \
+                and m.pairs >= settings.min_pairs:
+            knowledge_base.put(key, {**m.to_dict(), "pass": "fuse_optimizer",
+                                     "example": cand.description})
         decision = Decision("fuse_optimizer", keep, "kept" if keep else "rejected",
                             f"{cand.description}, on its own step: {reason}", speedup=m.speedup,
                             noise=m.noise, max_abs_error=err, sites=[cand.description],

@@ -250,7 +250,7 @@ class Run:
             with self._phase("measure"):
                 d, self.fused_opt = gate_optimizer(
                     self.job, self.clock, self.settings.gate, self.settings.min_speedup,
-                    self.settings.replace_optimizer, self.deadline)
+                    self.settings.replace_optimizer, self.deadline, self.settings.knowledge_base)
             self.snapshot.restore()
             if self.fused_opt is not None:
                 self.units.append(KeptUnit("fuse_optimizer", None, d.speedup, d.noise,

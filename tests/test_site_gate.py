@@ -202,6 +202,26 @@ def test_fused_optimizer_faster_on_its_step_is_returned_with_no_passes():
     assert fast.report.final["kept"] and opt2 is opt and opt.param_groups[0]["fused"]
 
 
+def test_the_optimizer_timing_is_replayed_from_the_knowledge_base_for_the_same_step(tmp_path):
+    def once(d):
+        torch.manual_seed(0)
+        model = ReluMLP(d).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        clock = ControlledClock({"fuse_optimizer": 0.3}, step_costs={"fuse_optimizer": 1.0})
+        fast, _ = _opt(model, (torch.randn(4, d),), [], clock, optimizer=opt,
+                       loss_fn=lambda out: out.pow(2).mean(), knowledge_base=tmp_path)
+        timed = sum(1 for scope in clock.scopes if scope == "optimizer")
+        return _decision(fast, "fuse_optimizer"), timed
+
+    first, timed_first = once(16)
+    again, timed_again = once(16)
+    other, timed_other = once(24)  # other parameter shapes: another step, measured afresh
+    assert first.kept and timed_first > 0 and "knowledge base" not in first.reason
+    assert again.kept and timed_again == 0 and "knowledge base" in again.reason
+    assert again.speedup == pytest.approx(first.speedup)
+    assert other.kept and timed_other > 0 and "knowledge base" not in other.reason
+
+
 class SlowFind(RewriteRelu):
     def find(self, gm, ctx):
         time.sleep(0.4)  # elapses the budget; not a timing threshold
