@@ -85,3 +85,15 @@ def assert_same_state(a, b):
                 assert torch.equal(v, b["opt"][i][k]) if torch.is_tensor(v) else v == b["opt"][i][k]
     assert torch.equal(a["rng"][0], b["rng"][0]) and a["rng"][1] == b["rng"][1]
     assert np.array_equal(a["rng"][2], b["rng"][2])
+
+
+def assert_trainer_ran_rewritten(callback, model_name: str, plain, rewritten, steps: int) -> None:
+    """A trainer integration's callback decided once, kept SDPA and the fused optimizer, every
+    step ran the rewritten graphs, and the losses match the plain run step by step."""
+    assert callback.error is None and callback.report is not None
+    assert callback.report.model == model_name and callback.report.mode == "training"
+    assert {"fuse_attention", "fuse_optimizer"} <= set(callback.report.kept_passes)
+    assert "scaled_dot_product_attention" in "".join(callback._step.fast.graph_code().values())
+    assert callback._step.rewritten_calls == steps
+    assert len(rewritten.losses) == len(plain.losses) == steps
+    torch.testing.assert_close(torch.stack(rewritten.losses), torch.stack(plain.losses))

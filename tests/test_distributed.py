@@ -12,36 +12,16 @@ import datetime
 import gc
 import json
 import os
-import socket
-import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.ranks import run_ranks
 
 WORLD = 2
 STEPS = 3
 JOIN_SECONDS = 120  # a hung collective fails the test instead of stalling CI
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    _train_and_report(rank, port, out_dir)
-    # Leave without interpreter finalization. With gloo, tearing down the interpreter while the
-    # process group's C++ worker threads still hold work objects (DDP's reducer keeps some)
-    # aborts the process ("terminate called without an active exception", SIGABRT) after the
-    # rank has finished and written its result; torch has no fix for it yet (pytorch#179291
-    # was abandoned). An exception above still propagates and fails the rank as usual.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _train_and_report(rank: int, port: int, out_dir: str) -> None:
@@ -94,18 +74,7 @@ def _train_and_report(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 def test_rank0_decides_and_every_rank_trains_the_same_graph(tmp_path):
-    context = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_SECONDS
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the ranks did not finish within {JOIN_SECONDS} s (hung collective?)")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.terminate()
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    ranks = run_ranks(_train_and_report, tmp_path, world=WORLD, join_seconds=JOIN_SECONDS)
     zero, one = ranks
     assert zero["statuses"]["fuse_attention"] == "kept" and zero["clock_calls"] > 0
     assert one["kept"] == zero["kept"] == ["fuse_attention"]

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.ranks import run_ranks
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -24,21 +22,6 @@ pytest.importorskip("accelerate")
 WORLD = 2
 STEPS = 3
 JOIN_SECONDS = 150  # a hung collective fails the test instead of stalling CI
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    _train_and_report(rank, port, out_dir)
-    # As in tests/test_distributed.py: leave without interpreter finalization, which with gloo
-    # can abort the process (SIGABRT) after the rank has finished and written its result.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _train_and_report(rank: int, port: int, out_dir: str) -> None:
@@ -85,18 +68,7 @@ def _train_and_report(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 def test_every_rank_trains_the_graph_rank0_decided(tmp_path):
-    context = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_SECONDS
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the ranks did not finish within {JOIN_SECONDS} s (hung collective?)")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.terminate()
-    zero, one = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    zero, one = run_ranks(_train_and_report, tmp_path, world=WORLD, join_seconds=JOIN_SECONDS)
     assert zero["wrapped"] == one["wrapped"] == "DistributedDataParallel"
     assert zero["error"] is None and one["error"] is None
     assert zero["statuses"]["fuse_attention"] == "kept" and zero["clock_calls"] > 0

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.controlled import QUICK, ControlledClock
+from tests.helpers import assert_trainer_ran_rewritten
 from tests.factories.tiny_models import DIM, SEQ, AttentionBlock
 
 L = pytest.importorskip("lightning")
@@ -100,13 +101,7 @@ def runs(tmp_path_factory):
 
 def test_training_step_is_rewritten_and_the_loss_matches_step_by_step(runs):
     (_, plain), (_, rewritten), callback = runs["plain"], runs["rewritten"], runs["callback"]
-    assert callback.error is None and callback.report is not None
-    assert callback.report.model == "TinyModule" and callback.report.mode == "training"
-    assert {"fuse_attention", "fuse_optimizer"} <= set(callback.report.kept_passes)
-    assert "scaled_dot_product_attention" in "".join(callback._step.fast.graph_code().values())
-    assert callback._step.rewritten_calls == STEPS
-    assert len(rewritten.losses) == len(plain.losses) == STEPS
-    torch.testing.assert_close(torch.stack(rewritten.losses), torch.stack(plain.losses))
+    assert_trainer_ran_rewritten(callback, "TinyModule", plain, rewritten, STEPS)
 
 
 def test_configure_optimizers_optimizer_is_switched_in_place_and_schedules_alike(runs):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.controlled import QUICK, ControlledClock
+from tests.helpers import assert_trainer_ran_rewritten
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -103,14 +104,8 @@ def _checkpoints(trainer) -> list[str]:
 
 def test_trainer_loss_matches_the_plain_run_step_by_step(runs):
     plain, rewritten, callback = runs["plain"], runs["rewritten"], runs["callback"]
-    assert callback.error is None and callback.report is not None
-    assert callback.report.model == "GPT2LMHeadModel" and callback.report.mode == "training"
-    assert {"fuse_attention", "fuse_optimizer"} <= set(callback.report.kept_passes)
-    assert "scaled_dot_product_attention" in "".join(callback._step.fast.graph_code().values())
     # every training step after the first batch's decision ran the rewritten graphs
-    assert callback._step.rewritten_calls == STEPS
-    assert len(rewritten.losses) == len(plain.losses) == STEPS
-    torch.testing.assert_close(torch.stack(rewritten.losses), torch.stack(plain.losses))
+    assert_trainer_ran_rewritten(callback, "GPT2LMHeadModel", plain, rewritten, STEPS)
 
 
 def test_the_optimizer_trainer_built_is_switched_in_place(runs):
