@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("rewriter.progress")
 
 NAME = "compile"  # the decision row's pass_name
+AUTO_ON_CPU = ("compile: not tried (compile='auto' does not compile on CPU: Inductor's first "
+               "compile costs tens of seconds here and pays off only on some models; pass "
+               "compile=True to measure it)")
 
 
 class CompileGate:
@@ -57,10 +60,8 @@ class CompileGate:
         if choice is False:
             return
         if choice == "auto" and r.job.backend.name == "cpu":
-            r.report.decisions.append(Decision(
-                NAME, False, "not tried", "compile='auto' does not compile on CPU: Inductor's "
-                "first compile costs tens of seconds here and pays off only on some models; "
-                "pass compile=True to measure it", scope="step"))
+            # a note, not a decision row: nothing was tried
+            r.report.notes.append(AUTO_ON_CPU)
             return
         found, declined = executors_for(r.job.backend, True if choice == "auto" else choice,
                                         r.job.training)
