@@ -103,9 +103,10 @@ class CompileGate:
             reason = f"{reason} (knowledge base, measured {known.get('recorded', '')})"
             m_dict = dict(known)
         else:
-            # Like the step check: past the budget, the fewest pairs (never kept unmeasured).
+            # Compiling was asked for: past the budget, still time for the fewest pairs of the
+            # two steps (twice the step check's reserve: warm-up included); never kept unmeasured.
             deadline = None if r.deadline is None else max(
-                r.deadline, time.perf_counter() + r._confirm_reserve())
+                r.deadline, time.perf_counter() + 2 * r._confirm_reserve())
             with r._phase("measure"):
                 m = measure(r.composed_step(), self._step(runner), clock=r.clock, settings=g,
                             min_speedup=r.settings.min_speedup, deadline=deadline)
