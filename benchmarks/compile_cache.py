@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(done.stderr[-2000:], file=sys.stderr)
                 return 1
             r = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"{run}: first compiled step {r['compile_seconds']:.1f} s; compile {r['status']}: {r['reason']}")
+            print(f"{run}: first compiled step {r['compile_seconds']:.1f} s (compile {r['status']})")
     return 0
 
 

@@ -125,10 +125,12 @@ def test_training_compile_is_measured_on_forward_backward_and_optimizer_step(mlp
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fake = FakeCompiler()
-    fast, opt2 = _opt(model, (x,), ControlledClock({"compile": 0.5}), fake, optimizer=opt,
-                      loss_fn=lambda out: out.square().mean(), passes=[])
+    fast, opt2 = _opt(model, (x,), ControlledClock({"compile": 0.5, "fuse_optimizer": 0.5}), fake,
+                      optimizer=opt, loss_fn=lambda out: out.square().mean(), passes=[])
     d = _compile_row(fast)
     assert d.kept and fast.report.mode == "training"
+    # measured with the fused optimizer kept before it: both variants' steps contain it
+    assert any(n.startswith("optimizer:") for n in fast.report.notes)
     before = fake.calls
     fast(x).square().mean().backward()
     opt2.step()
@@ -223,3 +225,16 @@ def test_a_real_inductor_compile_is_verified_and_kept_when_faster():
     assert d.kept and d.sites == ["inductor"], d.reason
     assert d.max_abs_error is not None and d.measurement["compile_seconds"] > 0
     torch.testing.assert_close(fast(x), model(x))
+
+
+def test_a_training_graph_with_dropout_is_verified_with_dropout_off():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 4)).train()
+    x = torch.randn(8, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fake = FakeCompiler()
+    fast, _ = _opt(model, (x,), ControlledClock({"compile": 0.5}), fake, optimizer=opt,
+                   loss_fn=lambda out: out.sum(), passes=[])
+    d = _compile_row(fast)
+    assert d.kept, d.reason  # the compile with dropout off matched the reference
+    assert fake.compiles >= 2  # the graph that runs, and the one verified without dropout
