@@ -15,7 +15,7 @@ import rewriter
 from rewriter.backends import get_backend
 from rewriter.executors import executors_for
 from tests import npu_shim
-from tests.controlled import QUICK, ControlledClock, RewriteRelu
+from tests.controlled import QUICK, Bf16Cpu, ControlledClock, RewriteRelu
 from tests.models import ReluMLP
 
 
@@ -238,3 +238,18 @@ def test_a_training_graph_with_dropout_is_verified_with_dropout_off():
     d = _compile_row(fast)
     assert d.kept, d.reason  # the compile with dropout off matched the reference
     assert fake.compiles >= 2  # the graph that runs, and the one verified without dropout
+
+
+def test_with_dtype_the_compiled_form_is_the_half_precision_graph():
+    torch.manual_seed(0)
+    model, x = ReluMLP().eval(), torch.randn(8, 16)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gm.code)
+        return gm.forward
+    fast = _opt(model, (x,), ControlledClock({"cast_to_half": 0.5, "compile": 0.5}), backend,
+                passes=["cast_to_half"], dtype=torch.bfloat16, device=Bf16Cpu())
+    assert "cast_to_half" in fast.report.kept_passes and _compile_row(fast).kept
+    assert seen and all("bfloat16" in code for code in seen)  # the compiler got the bf16 graph
+    torch.testing.assert_close(fast(x).float(), model(x), rtol=1.6e-2, atol=1e-2)
