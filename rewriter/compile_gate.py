@@ -230,5 +230,9 @@ class CompileGate:
             r.cap.slots[0].compiled = runner.fn  # the capture now runs the compiled graph
             r.compiled = {"fx": ex.resolve()}
         r.compile_plan = {"executor": ex.name, "kept": True}
+        if not r.report.final.get("kept"):  # no rewrite kept: the original model, compiled, runs
+            r.report.final["kept"] = True
+            r.report.final["reason"] = (f"{r.report.final.get('reason', 'no rewrite was kept')}; "
+                                        f"the model compiled with {ex.name} runs")
         r.report.final["compiled"] = ex.name
         r.report.notes.append(f"compiled with {ex.name} (gated on the whole step)")

@@ -29,7 +29,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -41,8 +40,6 @@ import torch.nn.functional as F
 from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot
 from rewriter.npu_capabilities import torch_npu_release
 from rewriter.verify import dropout_disabled
-
-log = logging.getLogger(__name__)
 
 CompilerBackend = Callable[..., Any]  # torch.compile's backend protocol: (gm, example_inputs) -> callable
 

@@ -160,6 +160,8 @@ def test_the_knowledge_base_keeps_the_decision_so_a_second_run_does_not_measure(
     again = _opt(model, (x,), clock, FakeCompiler(), knowledge_base=kb)
     d = _compile_row(again)
     assert d.kept and "knowledge base" in d.reason and _compiled_samples(clock) == 0
+    # no rewrite was kept: the original model, compiled, runs, and the report says so
+    assert again.report.kept_passes == ["compile"] and "compiled with fake" in again.report.final["reason"]
 
 
 def test_auto_does_not_compile_on_cpu_and_false_does_not_try(mlp):
