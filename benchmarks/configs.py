@@ -12,6 +12,8 @@ optimizer, and returns a :class:`Variant` whose ``step()`` runs one step and ret
 ``optimize_bf16``         the same with ``dtype=torch.bfloat16`` (precision-lowering passes allowed)
 ``compile``               ``torch.compile(model)`` (inductor), the same plain AdamW
 ``optimize_compile``      ``optimize()`` (the ``optimize`` row's plan replayed), then ``fast.compile()`` (Inductor)
+``optimize_gated_compile``       ``optimize(compile=True)``: Inductor as a gated candidate on the rewritten graphs
+``optimize_bf16_gated_compile``  the same with ``dtype=torch.bfloat16``
 ``expert``                the hand-tuned form (``ModelCase.make_expert``), ``AdamW(fused=True)``
 ``expert_autocast``       the same, forward and loss under ``torch.autocast(bfloat16)``
 ========================  ========================================================================
@@ -104,11 +106,11 @@ def _eager(s: Setup) -> Variant:
                    notes=["eager against a second eager copy: the noise floor"])
 
 
-def _run_optimize(s: Setup, dtype: torch.dtype | None, plan: dict | None = None
-                  ) -> tuple[Any, torch.optim.Optimizer | None, Variant]:
+def _run_optimize(s: Setup, dtype: torch.dtype | None, plan: dict | None = None,
+                  compile: bool | str = False) -> tuple[Any, torch.optim.Optimizer | None, Variant]:
     opt = plain_optimizer(s.model, s.training)
     options: dict[str, Any] = {"optimizer": opt, "dtype": dtype, "plan": plan, "passes": s.passes,
-                               "progress": s.verbose}
+                               "progress": s.verbose, "compile": compile}
     if s.training:
         options["loss_fn"] = s.case.loss_fn
     if s.quick:
@@ -120,6 +122,7 @@ def _run_optimize(s: Setup, dtype: torch.dtype | None, plan: dict | None = None
     report = fast.report
     notes = [_summary(report)]
     notes += [n for n in report.notes if n.startswith("optimizer:")]
+    notes += [_compile_note(d) for d in report.decisions if d.pass_name == "compile"]
     decisions = [{"pass": d.pass_name, "status": d.status, "speedup": d.speedup, "noise": d.noise,
                   "sites": len(d.sites), "reason": d.reason} for d in report.decisions]
     final = report.final
@@ -129,6 +132,12 @@ def _run_optimize(s: Setup, dtype: torch.dtype | None, plan: dict | None = None
     variant = Variant(make_step(fast, s.case.inputs, optimizer=opt, loss_fn=s.case.loss_fn),
                       optimize_seconds=seconds, notes=notes, decisions=decisions)
     return fast, opt, variant
+
+
+def _compile_note(d: Any) -> str:
+    seconds = (d.measurement or {}).get("compile_seconds")
+    spent = f", first compiled step {seconds:.1f} s" if seconds is not None else ""
+    return f"compile: {d.status}{spent}"
 
 
 def _summary(report: rewriter.Report) -> str:
@@ -145,6 +154,12 @@ def _optimize(s: Setup) -> Variant:
 
 def _optimize_bf16(s: Setup) -> Variant:
     return _run_optimize(s, torch.bfloat16)[2]
+
+
+def _optimize_gated_compile(s: Setup, dtype: torch.dtype | None = None) -> Variant:
+    """optimize(compile=True): Inductor on the rewritten graphs, kept only when the whole step
+    measures faster (optimize s includes the compile; see the row's compile note)."""
+    return _run_optimize(s, dtype, compile=True)[2]
 
 
 def _compile(s: Setup) -> Variant:
@@ -205,6 +220,9 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     Config("optimize_bf16", "optimize(dtype=bf16)", _optimize_bf16),
     Config("compile", "torch.compile", _compile),
     Config("optimize_compile", "optimize() + compile()", _optimize_compile),
+    Config("optimize_gated_compile", "optimize(compile=True)", _optimize_gated_compile),
+    Config("optimize_bf16_gated_compile", "optimize(dtype=bf16, compile=True)",
+           lambda s: _optimize_gated_compile(s, torch.bfloat16)),
     Config("expert", "expert", _expert),
     Config("expert_autocast", "expert + autocast bf16", lambda s: _expert(s, autocast=True)),
 )}

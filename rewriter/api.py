@@ -21,6 +21,7 @@ from rewriter.report import Report
 from rewriter.wrapper import OptimizedModel
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
+COMPILE_CHOICES = frozenset({"auto", "inductor", "npugraph_ex", "npugraphs", "torchair"})
 
 
 def optimize(
@@ -43,6 +44,7 @@ def optimize(
     progress: bool = True,
     gate: GateSettings | None = None,
     clock: Clock | None = None,
+    compile: bool | str | Callable[..., Any] = "auto",
 ) -> OptimizedModel | tuple[OptimizedModel, torch.optim.Optimizer]:
     """Rewrite ``model`` and keep each rewrite only if it measures faster and matches numerically.
 
@@ -86,6 +88,13 @@ def optimize(
         progress: log progress lines to stderr while measuring.
         gate: measurement budget (warm-up, pair counts, seconds per comparison).
         clock: replaces the wall clock (tests use a controlled one).
+        compile: the device's graph compiler as one more gated candidate, after the rewrites:
+            the rewritten model compiled (Inductor on CPU/CUDA; on NPU Inductor with
+            triton-ascend, npugraph_ex, npugraphs, TorchAir-GE where available), verified, and
+            kept only when the whole step measures faster than the rewritten eager step.
+            "auto" (default): on CUDA and NPU, not on CPU (a first compile costs tens of
+            seconds there; see the README); True: on every device; False: never; an executor
+            name ("inductor", "npugraphs", ...) or a torch.compile backend callable: that one.
 
     Returns:
         The optimized model, or ``(model, optimizer)`` when an optimizer is given.
@@ -111,6 +120,10 @@ def optimize(
                         f"{type(knowledge_base).__name__}")
     if gate is not None and not isinstance(gate, GateSettings):
         raise TypeError(f"gate must be a rewriter.GateSettings, got {type(gate).__name__}")
+    if not (isinstance(compile, bool) or compile in COMPILE_CHOICES or
+            (callable(compile) and not isinstance(compile, str))):
+        raise ValueError(f"compile must be 'auto', True, False, one of {sorted(COMPILE_CHOICES - {'auto'})} "
+                         f"or a torch.compile backend callable, got {compile!r}")
     if clock is not None and not callable(getattr(clock, "time", None)):
         raise TypeError(f"clock must have a time(step) method, got {type(clock).__name__}")
     chosen = resolve_passes(passes, exclude)
@@ -124,7 +137,7 @@ def optimize(
                         gate=gate or GateSettings(), clock=clock, profile=profile, plan=plan,
                         replace_optimizer=example_inputs is not None, cache_dir=cache_dir,
                         time_budget=float(time_budget) if time_budget is not None else None,
-                        knowledge_base=KnowledgeBase.at(knowledge_base))
+                        knowledge_base=KnowledgeBase.at(knowledge_base), compile=compile)
 
     def run(args: tuple, kwargs: dict) -> Outcome:
         _check_input_devices(model, args, kwargs)

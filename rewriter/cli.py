@@ -150,6 +150,9 @@ def _build(args: argparse.Namespace) -> _Job:
     return _Job(model, inputs, optimizer, loss_fn)
 
 
+_COMPILE = {"auto": "auto", "on": True, "off": False}
+
+
 def _optimize(args: argparse.Namespace) -> int:
     import rewriter
     from rewriter import host
@@ -186,6 +189,7 @@ def _optimize(args: argparse.Namespace) -> int:
         dtype=_DTYPES[args.dtype] if args.dtype else None, passes=_names(args.passes),
         exclude=_names(args.exclude) or (), device=args.device, min_speedup=args.min_speedup,
         plan=args.plan, cache_dir=args.cache_dir, front_end=args.front_end,
+        compile=_COMPILE.get(args.compile, args.compile),
         profile=False,  # profiled below, once per variant, with traces; its tables fill the report
         progress=True, gate=_gate_settings(args), clock=_make_clock())
     fast, fast_opt = result if job.optimizer is not None else (result, None)
@@ -436,6 +440,10 @@ def _parser() -> argparse.ArgumentParser:
     opt.add_argument("--front-end", choices=("auto", "fx", "dynamo"), default="auto",
                      help="capture with symbolic_trace (fx), a Dynamo backend, or the first that "
                           "captures the whole model (auto, the default)")
+    opt.add_argument("--compile", choices=sorted(_COMPILE) + ["inductor", "npugraph_ex", "npugraphs",
+                                                               "torchair"], default="auto",
+                     help="the graph compiler as a gated candidate after the rewrites: auto (CUDA "
+                          "and NPU, not CPU; the default), on, off, or one executor")
     opt.add_argument("--min-speedup", type=float, default=1.03, metavar="RATIO",
                      help="keep a rewrite only at least this much faster (default 1.03)")
     opt.add_argument("--budget", type=float, metavar="SECONDS",

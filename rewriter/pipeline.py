@@ -30,6 +30,7 @@ import torch
 from rewriter import amp, optimizers
 from rewriter import plan as plans
 from rewriter.advisor import advise
+from rewriter.compile_gate import CompileGate
 from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot, capture
 from rewriter.confirm import Confirmation, KeptUnit
 from rewriter.errors import CaptureError, PlanError
@@ -69,6 +70,9 @@ class Settings:
     strict_plan: bool = False  # a plan that does not fit is an error (other ranks follow rank 0)
     time_budget: float | None = DEFAULT_TIME_BUDGET  # seconds for deciding (profiling aside)
     knowledge_base: KnowledgeBase = field(default_factory=lambda: KnowledgeBase(None))
+    # the graph compiler as a gated candidate (rewriter.compile_gate): "auto", True, False,
+    # an executor name or a torch.compile backend callable
+    compile: Any = False
 
 
 @dataclass
@@ -82,6 +86,7 @@ class Outcome:
     context: PassContext
     optimizer: torch.optim.Optimizer | None = None  # what optimize() returns beside the model
     loss_scale: amp.DynamicLossScale | None = None  # fp16 training: scales gradients from outputs
+    compiled: dict | None = None  # the kept compiled form, in OptimizedModel's _compiled layout
 
     def fall_back_to_original(self, reason: str) -> None:
         """From now on the original model runs (e.g. hooks changed after optimize())."""
@@ -110,6 +115,8 @@ class Run:
         self.started = time.perf_counter()
         self.deadline = (self.started + settings.time_budget) if settings.time_budget else None
         self.step_seconds = 0.0
+        self.compiled: dict | None = None  # set by CompileGate when the compiled form is kept
+        self.compile_plan: dict | None = None
 
     # --- the flow ----------------------------------------------------------------------------
     def execute(self) -> Outcome:
@@ -139,6 +146,11 @@ class Run:
                 snapshot.restore()
             if use_original:
                 self._drop_all()
+            # the graph compiler: one more candidate, on the whole step
+            if plan is not None:
+                CompileGate(self).replay(plan.get("compile"))
+            else:
+                CompileGate(self).decide()
             self.settings.knowledge_base.save()
             if self.settings.profile:
                 with self._phase("profile"):
@@ -150,7 +162,7 @@ class Run:
             self.report.plan = plans.make_plan(
                 fingerprint, [kp.name for kp in order], [d.to_dict() for d in self.report.decisions],
                 self.fused_opt.description if self.fused_opt else None,
-                kept_sites={kp.name: kp.to_dict() for kp in order})
+                kept_sites={kp.name: kp.to_dict() for kp in order}, compile=self.compile_plan)
         if self.settings.cache_dir is not None and plan is None:
             plans.cache_plan(self.settings.cache_dir, fingerprint, self.report.plan)
         return self._outcome()
@@ -165,7 +177,7 @@ class Run:
         log.info("rewriter: done in %.1f s: %s", self.report.optimize_seconds,
                  self.report.final.get("reason", ""))
         return Outcome(self.report, self.cap, list(self.kept), not self.kept, self.ctx, optimizer,
-                       loss_scale)
+                       loss_scale, self.compiled)
 
     def _capture_failed(self, e: CaptureError) -> Outcome:
         self.report.front_end_reason = str(e)
@@ -691,13 +703,15 @@ class Run:
     def _profile(self) -> None:
         """One warm-up and one active step: the report's view, not a measurement."""
         job, report = self.job, self.report
-        optimized = bool(self.kept) or self.fused_opt is not None
+        optimized = bool(self.kept) or self.fused_opt is not None or self.compiled is not None
         twin = self.fused_opt.twin(job.optimizer) if self.fused_opt is not None else None
         try:
             before = profile_run(job.step(job.model), job.backend, settings=REPORT_PROFILE, label="original")
             report.top_ops_before, report.findings_before = before.top(10), advise(before)
             if optimized:
                 run = self.cap if self.kept else job.model
+                if self.compiled is not None:
+                    run = self.compiled.get("dynamo") or self.compiled.get("original") or run
                 after = profile_run(job.step(run, optimizer=twin), job.backend,
                                     settings=REPORT_PROFILE, label="optimized")
                 report.top_ops_after, report.findings_after = after.top(10), advise(after)

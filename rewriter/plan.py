@@ -37,12 +37,16 @@ def graph_hash(signatures: Iterable[list[str]]) -> str:
 
 
 def make_plan(fingerprint: dict, kept: list[str], decisions: list[dict],
-              optimizer: str | None = None, kept_sites: dict[str, dict] | None = None) -> dict:
+              optimizer: str | None = None, kept_sites: dict[str, dict] | None = None,
+              compile: dict | None = None) -> dict:
     """``kept``: graph passes to apply in order; ``optimizer``: the fused optimizer form kept;
     ``kept_sites``: per pass, the region signatures (and shape-free structures) it was kept
-    for (``None`` signatures: every site). A plan without it applies every site."""
+    for (``None`` signatures: every site). A plan without it applies every site.
+    ``compile``: the graph compiler's decision, ``{"executor": name, "kept": bool}`` (None:
+    not tried); a replay compiles with it without measuring."""
     return {"format": PLAN_FORMAT, "fingerprint": fingerprint, "kept_passes": kept,
-            "kept_sites": kept_sites or {}, "optimizer": optimizer, "decisions": decisions}
+            "kept_sites": kept_sites or {}, "optimizer": optimizer, "decisions": decisions,
+            "compile": compile}
 
 
 def load_plan(source: str | os.PathLike | dict) -> dict:

@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from rewriter import amp
 from rewriter.capture import DynamoCapture, FxCapture
+from rewriter.executors import compiled_runner
 from rewriter.pipeline import Outcome, replay_on_slot
 from rewriter.report import Report
 from rewriter.state import preserved_state
@@ -97,6 +98,8 @@ class OptimizedModel(nn.Module):
         self.__dict__["_hooks_seen"] = [modules, _hooks_of(modules), RemovableHandle.next_id]
         if isinstance(outcome.capture, FxCapture):
             self.__dict__["_fx_by_mode"][outcome.capture.training] = outcome.capture
+        if outcome.compiled is not None:  # optimize(compile=...) kept the compiled form
+            self.__dict__["_compiled"] = outcome.compiled
 
     def _runner(self) -> Callable[..., Any]:
         outcome: Outcome = self.__dict__["_outcome"]
@@ -127,7 +130,8 @@ class OptimizedModel(nn.Module):
 
         ``torch.compile(fast)`` also works, but for a Dynamo-captured model (transformers v5
         models) it compiles the model's original code and the rewrites are lost. Compiling is
-        the user's choice and is not measured; the report notes it.
+        the user's choice and is not measured; the report notes it. ``optimize(compile=True)``
+        measures it instead and keeps it only when the whole step is faster.
         """
         outcome: Outcome | None = self.__dict__["_outcome"]
         if outcome is None:
@@ -135,12 +139,12 @@ class OptimizedModel(nn.Module):
                                "optimize(), or call the model once first")
         compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
         model = self.__dict__["_model"]
+        replay = lambda slot: replay_on_slot(slot, outcome.kept, outcome.context)  # noqa: E731
         if outcome.use_original or outcome.capture is None:
-            self.__dict__["_compiled"] = {"original": torch.compile(model, backend=compiler)}
+            self.__dict__["_compiled"] = {"original": compiled_runner(model, None, compiler, replay)}
         elif isinstance(outcome.capture, DynamoCapture):
-            cap = DynamoCapture(model, "compiled after optimize()", then_compile=compiler)
-            cap.on_new_graph = lambda slot: replay_on_slot(slot, outcome.kept, outcome.context)
-            self.__dict__["_compiled"] = {"dynamo": cap}
+            self.__dict__["_compiled"] = {"dynamo": compiled_runner(model, outcome.capture, compiler,
+                                                                    replay)}
         else:
             self.__dict__["_compiled"] = {"fx": compiler}
             for runner in self.__dict__["_fx_by_mode"].values():

@@ -1,0 +1,257 @@
+"""The graph compiler as a gated candidate (optimize(compile=...)).
+
+Decisions are made with a controlled clock (tests/controlled.py): the compiled variant's step
+carries the name "compile", so ``ControlledClock({"compile": 0.5})`` makes it twice as fast.
+The compiler is a fake torch.compile backend (it runs the graph as it is, or raises, or
+changes the numerics); one test compiles for real with Inductor, on a tiny model.
+"""
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import rewriter
+from rewriter.backends import get_backend
+from rewriter.executors import executors_for
+from tests import npu_shim
+from tests.controlled import QUICK, Bf16Cpu, ControlledClock, RewriteRelu
+from tests.models import ReluMLP
+
+
+class FakeCompiler:
+    """A torch.compile backend that runs each graph as it is and counts compiles and calls;
+    ``shift`` changes the outputs (a miscompile), ``fail`` raises while compiling."""
+
+    __name__ = "fake"
+
+    def __init__(self, shift: float = 0.0, fail: bool = False):
+        self.shift, self.fail = shift, fail
+        self.compiles = self.calls = 0
+
+    def __call__(self, gm, example_inputs):
+        if self.fail:
+            raise RuntimeError("backend exploded")
+        self.compiles += 1
+
+        def run(*args):
+            self.calls += 1
+            out = gm(*args)
+            if self.shift:
+                out = torch.utils._pytree.tree_map(
+                    lambda t: t + self.shift if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
+            return out
+        return run
+
+
+def _opt(model, inputs, clock, compile, **kw):
+    kw.setdefault("knowledge_base", False)
+    return rewriter.optimize(model, inputs, clock=clock, gate=QUICK, profile=False, progress=False,
+                             compile=compile, **kw)
+
+
+def _compile_row(fast):
+    rows = [d for d in fast.report.decisions if d.pass_name == "compile"]
+    assert len(rows) == 1, [d.pass_name for d in fast.report.decisions]
+    return rows[0]
+
+
+def _compiled_samples(clock):
+    return sum(1 for passes in clock.seen if "compile" in passes)
+
+
+@pytest.fixture
+def mlp():
+    torch.manual_seed(0)
+    return ReluMLP().eval(), torch.randn(8, 16)
+
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+def test_a_faster_compile_is_kept_on_top_of_the_kept_rewrites_and_runs(mlp, front_end):
+    model, x = mlp
+    fake = FakeCompiler()
+    fast = _opt(model, (x,), ControlledClock({"a": 0.5, "compile": 0.5}), fake,
+                passes=[RewriteRelu("a")], front_end=front_end)
+    d = _compile_row(fast)
+    assert d.kept and d.status == "kept" and d.scope == "step" and d.speedup == pytest.approx(2.0, rel=0.05)
+    assert "a" in fast.report.kept_passes and fast.report.final["compiled"] == "fake"
+    assert d.measurement["compile_seconds"] >= 0 and "compile" in fast.report.phases
+    assert fast.report.plan["compile"] == {"executor": "fake", "kept": True}
+    before = fake.calls
+    torch.testing.assert_close(fast(x), model(x))
+    assert fake.calls > before  # the compiled graph is what runs
+
+
+def test_a_slower_compile_is_rejected_and_the_eager_graphs_run(mlp):
+    model, x = mlp
+    fake = FakeCompiler()
+    fast = _opt(model, (x,), ControlledClock({"a": 0.5, "compile": 1.6}), fake, passes=[RewriteRelu("a")])
+    d = _compile_row(fast)
+    assert not d.kept and d.status == "rejected" and d.reason.startswith("fake, whole step: slower")
+    assert fast.report.plan["compile"] == {"executor": "fake", "kept": False}
+    before = fake.calls
+    torch.testing.assert_close(fast(x), model(x))
+    assert fake.calls == before and fast.report.kept_passes == ["a"]
+
+
+def test_a_compile_within_noise_is_not_kept(mlp):
+    model, x = mlp
+    fast = _opt(model, (x,), ControlledClock({"compile": 1.0}, jitter=0.05), FakeCompiler())
+    assert not _compile_row(fast).kept
+
+
+def test_a_compile_that_raises_is_reported_and_the_eager_graphs_run(mlp):
+    model, x = mlp
+    clock = ControlledClock({"a": 0.5, "compile": 0.5})
+    fast = _opt(model, (x,), clock, FakeCompiler(fail=True), passes=[RewriteRelu("a")])
+    d = _compile_row(fast)
+    assert not d.kept and d.status == "raised" and "backend exploded" in d.reason
+    assert "eager graphs run" in d.reason and _compiled_samples(clock) == 0
+    assert fast.report.kept_passes == ["a"]
+    torch.testing.assert_close(fast(x), model(x))
+
+
+def test_a_compile_that_changes_numerics_is_rejected(mlp):
+    model, x = mlp
+    clock = ControlledClock({"compile": 0.5})
+    fast = _opt(model, (x,), clock, FakeCompiler(shift=1e-2))
+    d = _compile_row(fast)
+    assert not d.kept and d.status == "failed verification" and _compiled_samples(clock) == 0
+    torch.testing.assert_close(fast(x), model(x))
+
+
+def test_training_compile_is_measured_on_forward_backward_and_optimizer_step(mlp):
+    model, x = mlp
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fake = FakeCompiler()
+    fast, opt2 = _opt(model, (x,), ControlledClock({"compile": 0.5, "fuse_optimizer": 0.5}), fake,
+                      optimizer=opt, loss_fn=lambda out: out.square().mean(), passes=[])
+    d = _compile_row(fast)
+    assert d.kept and fast.report.mode == "training"
+    # measured with the fused optimizer kept before it: both variants' steps contain it
+    assert any(n.startswith("optimizer:") for n in fast.report.notes)
+    before = fake.calls
+    fast(x).square().mean().backward()
+    opt2.step()
+    assert fake.calls > before
+
+
+def test_replay_from_plan_compiles_without_measuring(mlp):
+    model, x = mlp
+    first = _opt(model, (x,), ControlledClock({"compile": 0.5}), FakeCompiler(), passes=[])
+    plan = first.report.plan
+    assert plan["compile"]["kept"]
+    clock, fake = ControlledClock({"compile": 0.5}), FakeCompiler()
+    again = _opt(model, (x,), clock, fake, passes=[], plan=plan)
+    d = _compile_row(again)
+    assert d.kept and d.status == "replayed" and "not measured" in d.reason
+    assert clock.calls == 0 and fake.compiles >= 1
+    torch.testing.assert_close(again(x), model(x))
+    off = _opt(model, (x,), ControlledClock(), False, passes=[], plan=plan)
+    assert not [d for d in off.report.decisions if d.pass_name == "compile"]
+
+
+def test_the_knowledge_base_keeps_the_decision_so_a_second_run_does_not_measure(mlp, tmp_path):
+    model, x = mlp
+    kb = tmp_path / "kb.json"
+    _opt(model, (x,), ControlledClock({"compile": 0.5}), FakeCompiler(), knowledge_base=kb)
+    clock = ControlledClock({"compile": 3.0})  # would be rejected if it were measured
+    again = _opt(model, (x,), clock, FakeCompiler(), knowledge_base=kb)
+    d = _compile_row(again)
+    assert d.kept and "knowledge base" in d.reason and _compiled_samples(clock) == 0
+    # no rewrite was kept: the original model, compiled, runs, and the report says so
+    assert again.report.kept_passes == ["compile"] and "compiled with fake" in again.report.final["reason"]
+
+
+def test_auto_does_not_compile_on_cpu_and_false_does_not_try(mlp):
+    model, x = mlp
+    clock = ControlledClock()
+    fast = _opt(model, (x,), clock, "auto")
+    assert not [d for d in fast.report.decisions if d.pass_name == "compile"]
+    assert any("compile=True" in n for n in fast.report.notes) and _compiled_samples(clock) == 0
+    off = _opt(model, (x,), ControlledClock(), False)
+    assert not [d for d in off.report.decisions if d.pass_name == "compile"]
+
+
+def test_bad_compile_argument_is_a_clear_error(mlp):
+    model, x = mlp
+    with pytest.raises(ValueError, match="compile must be"):
+        rewriter.optimize(model, (x,), compile="turbo", progress=False)
+
+
+# --- executors per device -----------------------------------------------------------------------
+def test_cpu_has_inductor():
+    found, declined = executors_for(get_backend("cpu"))
+    assert [e.name for e in found] == ["inductor"] and declined == []
+
+
+def test_npu_executors_are_declined_with_reasons_without_torch_npu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import fails
+    found, declined = executors_for(get_backend("npu"))
+    assert found == [] and len(declined) == 4
+    assert all("torch_npu does not import" in why for why in declined)
+
+
+def test_npu_executors_need_a_release_with_torch_compile(emulate):
+    emulate(version=npu_shim.OLDEST_VERSION)  # TorchNPU 6.0.0
+    found, declined = executors_for(get_backend("npu"))
+    assert found == [] and all("predates torch.compile" in why for why in declined)
+
+
+def test_npu_executors_on_a_recent_torch_npu_are_tried_where_registered(emulate, monkeypatch):
+    emulate()  # TorchNPU 26.1.0; the shim registers no torch.compile backend, nor triton
+    found, declined = executors_for(get_backend("npu"), training=True)
+    reasons = dict(why.split(": ", 1) for why in declined)
+    assert found == []
+    assert "triton-ascend" in reasons["inductor"]
+    assert "does not register" in reasons["npugraph_ex"] and "does not register" in reasons["npugraphs"]
+    assert "inference-oriented" in reasons["torchair"]
+    _, declined = executors_for(get_backend("npu"), training=False)
+    assert "torchair does not import" in dict(w.split(": ", 1) for w in declined)["torchair"]
+    real = torch._dynamo.list_backends
+    monkeypatch.setattr(torch._dynamo, "list_backends",
+                        lambda exclude_tags=(): sorted(real(exclude_tags) + ["npugraphs"]))
+    found, _ = executors_for(get_backend("npu"))
+    assert [e.name for e in found] == ["npugraphs"]
+    with pytest.raises(ValueError, match="no such executor"):
+        executors_for(get_backend("npu"), "nvfuser")
+
+
+def test_a_real_inductor_compile_is_verified_and_kept_when_faster():
+    """The one real compile of this file: Inductor on a tiny inference model."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.GELU()).eval(), torch.randn(4, 8)
+    fast = _opt(model, (x,), ControlledClock({"compile": 0.5}), True, passes=[])
+    d = _compile_row(fast)
+    assert d.kept and d.sites == ["inductor"], d.reason
+    assert d.max_abs_error is not None and d.measurement["compile_seconds"] > 0
+    torch.testing.assert_close(fast(x), model(x))
+
+
+def test_a_training_graph_with_dropout_is_verified_with_dropout_off():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 4)).train()
+    x = torch.randn(8, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fake = FakeCompiler()
+    fast, _ = _opt(model, (x,), ControlledClock({"compile": 0.5}), fake, optimizer=opt,
+                   loss_fn=lambda out: out.sum(), passes=[])
+    d = _compile_row(fast)
+    assert d.kept, d.reason  # the compile with dropout off matched the reference
+    assert fake.compiles >= 2  # the graph that runs, and the one verified without dropout
+
+
+def test_with_dtype_the_compiled_form_is_the_half_precision_graph():
+    torch.manual_seed(0)
+    model, x = ReluMLP().eval(), torch.randn(8, 16)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gm.code)
+        return gm.forward
+    fast = _opt(model, (x,), ControlledClock({"cast_to_half": 0.5, "compile": 0.5}), backend,
+                passes=["cast_to_half"], dtype=torch.bfloat16, device=Bf16Cpu())
+    assert "cast_to_half" in fast.report.kept_passes and _compile_row(fast).kept
+    assert seen and all("bfloat16" in code for code in seen)  # the compiler got the bf16 graph
+    torch.testing.assert_close(fast(x).float(), model(x), rtol=1.6e-2, atol=1e-2)
