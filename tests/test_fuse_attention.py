@@ -164,3 +164,17 @@ def test_npu_causal_uses_compressed_mask_and_sparse_mode(fake_torch_npu):
                          backend=NpuBackend())
     assert "sparse_mode = 2" in code(cap) and "triu" in code(cap)
     torch.testing.assert_close(cap(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_additive_bool_mask_is_its_float_value_not_a_keep_mask():
+    """pytorch's test_sdpa_rewriter_5 form: scores + bool adds +1/+0; SDPA would read keep/drop."""
+    class AddBool(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return torch.softmax(q @ k.transpose(-2, -1) / 0.5 + mask, dim=-1) @ v
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 16, generator=gen) for _ in range(3))
+    mask = torch.randn(1, 1, 8, 8, generator=gen) > 0
+    model = AddBool()
+    cap, sites = rewrite(model, (q, k, v, mask), "fuse_attention")
+    assert len(sites) == 1
+    _check_same(model, cap, (q, k, v, mask))
