@@ -64,7 +64,7 @@ def test_eval_mode_dropout_becomes_zero():
     assert "dropout_p = 0.0" in code(cap)
 
 
-@pytest.mark.parametrize("variant", ["two_masks", "mask_then_scale", "small_fill", "dim2"])
+@pytest.mark.parametrize("variant", ["mask_then_scale", "small_fill", "dim2"])
 def test_declines_what_it_cannot_express(variant):
     model = HandAttention(variant)
     cap, sites = rewrite(model, _inputs(variant), "fuse_attention")
@@ -178,3 +178,14 @@ def test_additive_bool_mask_is_its_float_value_not_a_keep_mask():
     cap, sites = rewrite(model, (q, k, v, mask), "fuse_attention")
     assert len(sites) == 1
     _check_same(model, cap, (q, k, v, mask))
+
+
+def test_a_bool_fill_and_an_additive_mask_become_one_additive_mask():
+    model = HandAttention("two_masks")
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    x, bias = torch.randn(B, T, D), torch.randn(T, T)
+    cap, sites = rewrite(model, (x, (causal, bias)), "fuse_attention", training=True)
+    assert len(sites) == 1 and "2 masks combined" in sites[0].description
+    params = list(model.parameters())
+    for g, w in zip(*(sum(outputs_and_grads(f, (x, (causal, bias)), params), []) for f in (cap, model))):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
