@@ -109,7 +109,7 @@ class Term:
     mask: Node
     value: float = 0.0          # the fill value (kind "fill")
     fill_mask: bool = False     # mask is True where filled (masked_fill) rather than kept
-    before_split: bool = False  # applied to the (B*N, L, S) scores before a split view
+    before_split: bool = False  # applied to the (B*N, L, S) scores outside a split/merge view pair
 
 
 @dataclass
@@ -261,11 +261,17 @@ def _scores(m: AttentionMatch, scores: Node, softmax: Node, merge: Node | None) 
         m.chain.append(node)
         if name in CAST_OPS:
             cont = node.args[0]
-        elif name in _VIEWS:
-            if split is not None:
-                raise _NoMatch("two views of the scores")
-            split, cont = node, node.args[0]
-            steps.append(("split", node))
+        elif name in _VIEWS:  # (B*N, L, S) <-> (B, N, L, S), the merge before or after the softmax
+            info, src = tensor_info(node), tensor_info(node.args[0])
+            merging = info is not None and src is not None and info.ndim == 3 and src.ndim == 4
+            if merging and merge is None:
+                merge = node
+            elif not merging and split is None:
+                split = node
+            else:
+                raise _NoMatch("views of the scores besides one split and its merge")
+            cont = node.args[0]
+            steps.append(("merge" if merging else "split", node))
         elif name == "add" and len(node.args) >= 2:
             a, b = node.args[:2]
             cont, mask = (a, b) if _leads_to_qk(a) else (b, a)
@@ -291,12 +297,12 @@ def _scores(m: AttentionMatch, scores: Node, softmax: Node, merge: Node | None) 
         raise _NoMatch("a view of the scores without its inverse")
     if split is not None:
         m.split = _split_shape(qk, split, merge)
-    seen_term, before_split = False, True
+    seen_term, flat = False, True
     for kind, what in reversed(steps):  # graph order
-        if kind == "split":
-            before_split = False
+        if kind in ("split", "merge"):
+            flat = kind == "merge"
         elif kind == "term":
-            what.before_split = before_split and split is not None
+            what.before_split = flat and split is not None
             m.terms.append(what)
             seen_term = True
         else:
