@@ -8,10 +8,17 @@ reach p @ v as float16, which SDPA cannot express, and the pass declines with th
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
-from rewriter.backends import NpuBackend
+from rewriter.backends import CpuBackend, NpuBackend
+from rewriter.capture import capture
+from rewriter.ir import copy_graph_module
+from rewriter.pass_api import PassContext, registered_passes
+from tests import npu_shim
+from tests.factories.families import family_capture
 from tests.helpers import code, outputs_and_grads, rewrite
 from tests.sfdp_forms import FORMS, sfdp_form
 
@@ -53,10 +60,6 @@ def test_the_table_holds_all_30_forms():
 
 @pytest.mark.parametrize("n", _HALF_FORMS)
 def test_sfdp_float16_probabilities_of_float32_q_are_declined_with_the_reason(n):
-    from rewriter.capture import capture
-    from rewriter.backends import CpuBackend
-    from rewriter.ir import copy_graph_module
-    from rewriter.pass_api import PassContext, registered_passes
     model, args, _ = _form(n, "float", torch.float32)
     cap = capture(model, args, {}, "dynamo")
     cap(*args)
@@ -90,3 +93,67 @@ def test_sfdp_forms_on_the_npu_shim(fake_torch_npu, n, scale_as, fused):
     if fused:
         assert "npu_fusion_attention" in code(cap)
         _same(model, cap, args, dtype)
+
+
+# --- transformers families ---------------------------------------------------------------------
+# Attention sites per family (2 layers each, eager attention), read from transformers 5.24's
+# modeling code, and on the NPU shim (npu_fusion_attention, training).
+FAMILY_ATTENTION = {
+    # family: (CPU SDPA sites, NPU shim sites, where they come from)
+    "llama": (2, 2, "eager_attention_forward, repeat_kv (GQA), causal mask"),
+    "mistral": (2, 2, "eager_attention_forward, where(keep, 0, min) mask: boolean on the NPU"),
+    "qwen3": (2, 2, "eager_attention_forward after q/k norms"),
+    "gemma": (2, 2, "eager_attention_forward, one k/v head repeated"),
+    "falcon": (2, 2, "scores /= sqrt(d) (itruediv); one-head multi-query k/v: expanded for SDPA, "
+                     "native on the NPU"),
+    "bloom": (2, 0, "alibi.baddbmm(q, k^T, beta, alpha), view (B*N, L, S) -> (B, N, L, S) and back; "
+                    "NPU: alibi + mask would go in as pse, whose shapes the reference does not document"),
+    "gptj": (2, 2, "GPTJAttention._attn: fp32 upcast, where(causal, s, min), / scale, + mask"),
+    "gpt2": (2, 2, "eager_attention_forward"),
+    "bert": (2, 2, "eager_attention_forward, no mask (no padding in the inputs)"),
+    "t5": (6, 0, "encoder self 2, decoder self 2, cross 2: scores + position_bias + mask, two "
+                 "additive terms combined into one; NPU: pse, as for bloom"),
+}
+
+
+def _family_sites(family: str, backend=None) -> tuple[list, PassContext]:
+    """The sites found in the family's (cached, read-only) training capture, and the context."""
+    cap, _, _ = family_capture(family, training=True)
+    ctx = PassContext(backend or CpuBackend(), True)
+    p = registered_passes()["fuse_attention"]
+    return [site for slot in cap.slots for site in p.find(copy_graph_module(slot.kept), ctx)], ctx
+
+
+@pytest.mark.parametrize("family", list(FAMILY_ATTENTION))
+def test_family_attention_sites_are_found_and_rewrite_with_equal_outputs_and_grads(family):
+    sites, ctx = _family_sites(family)
+    assert len(sites) == FAMILY_ATTENTION[family][0], ctx.declined
+    # 0 wrong rewrites: every slot runs its rewrite as a candidate (the cached capture's kept
+    # graphs stay as they are), against the original model
+    cap, model, kw = family_capture(family, training=True)
+    params = list(model.parameters())
+    ctx = PassContext(CpuBackend(), True)
+    for slot in cap.slots:
+        slot.try_pass(registered_passes()["fuse_attention"], ctx)
+    assert sum(slot.candidate is not None for slot in cap.slots) >= 1
+    switch = cap.slots[0].switch
+    want_out, want_grad = outputs_and_grads(model, (), params, kw)
+    switch.use_candidate = True
+    try:
+        got_out, got_grad = outputs_and_grads(cap, (), params, kw)
+    finally:
+        switch.use_candidate = False
+        for slot in cap.slots:
+            slot.reject()
+    for g, w in zip(got_out + got_grad, want_out + want_grad):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_ATTENTION))
+def test_family_attention_sites_on_the_npu_shim(family, monkeypatch):
+    family_capture(family, training=True)  # built before the shim: accelerate probes torch_npu
+    monkeypatch.setitem(sys.modules, "torch_npu", npu_shim.as_module())
+    sites, ctx = _family_sites(family, NpuBackend())
+    assert len(sites) == FAMILY_ATTENTION[family][1], ctx.declined
+    if FAMILY_ATTENTION[family][1] == 0:
+        assert ctx.declined and all("pse" in why for why in ctx.declined)
