@@ -44,6 +44,7 @@ from rewriter.backends import AttentionSpec
 from rewriter.ir import (
     CAST_OPS,
     arg,
+    erase_if_unused,
     is_op,
     mark_new_node,
     op_name,
@@ -70,7 +71,8 @@ _ATEN_NAMES = {"aten::mul": "mul", "aten::div": "div", "aten::add": "add", "aten
 _INPLACE_NAMES = {operator.itruediv: "div", operator.imul: "mul", operator.iadd: "add"}
 _FUNCTION_NAMES = {torch.baddbmm: "baddbmm", torch.clone: "clone", torch.softmax: "softmax"}
 _SOFTMAX = ("softmax", "_safe_softmax")  # _safe_softmax: 0 for all -inf rows, as SDPA gives
-_AFTER_SOFTMAX = ("dropout", "clone", "contiguous", *CAST_OPS)  # peeled between softmax and p @ v
+_CASTS = (*CAST_OPS, "half", "bfloat16", "double")  # checked by _check_dtypes
+_AFTER_SOFTMAX = ("dropout", "clone", "contiguous", *_CASTS)  # peeled between softmax and p @ v
 _VIEWS = ("view", "reshape")
 
 
@@ -259,7 +261,7 @@ def _scores(m: AttentionMatch, scores: Node, softmax: Node, merge: Node | None) 
         if name in ("matmul", "bmm", "baddbmm"):
             break
         m.chain.append(node)
-        if name in CAST_OPS:
+        if name in _CASTS:
             cont = node.args[0]
         elif name in _VIEWS:  # (B*N, L, S) <-> (B, N, L, S), the merge before or after the softmax
             info, src = tensor_info(node), tensor_info(node.args[0])
@@ -534,7 +536,7 @@ def _leads_to_qk(node: Any) -> bool:
     while isinstance(node, Node):
         if _is(node, "matmul", "bmm", "baddbmm"):
             return True
-        if _is(node, *CAST_OPS, *_VIEWS):
+        if _is(node, *_CASTS, *_VIEWS):
             node = node.args[0]
         elif (got := _scale_operand(node)) is not None:
             node = got[0]
@@ -712,6 +714,8 @@ def _emit(graph: Any, m: AttentionMatch, remap: dict[Node, Node], ctx: PassConte
     if m.terms and not single_fill and spec.bool_of_additive is None:
         changes["additive_mask"] = _emit_combined_mask(graph, m, remap, q)
     new = ctx.backend.emit_attention(graph, dataclasses.replace(spec, **changes), ctx.training)
+    if m.k_expand is not None:
+        erase_if_unused(graph, [changes["k"], changes["v"]])  # a backend that took the one head
     if m.split is not None:
         new = graph.call_method("reshape", (new, tuple(tensor_info(m.out).shape)))
     return new

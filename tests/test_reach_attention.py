@@ -108,7 +108,7 @@ FAMILY_ATTENTION = {
                      "native on the NPU"),
     "bloom": (2, 0, "alibi.baddbmm(q, k^T, beta, alpha), view (B*N, L, S) -> (B, N, L, S) and back; "
                     "NPU: alibi + mask would go in as pse, whose shapes the reference does not document"),
-    "gptj": (2, 2, "GPTJAttention._attn: fp32 upcast, where(causal, s, min), / scale, + mask"),
+    "gptj": (2, 2, "eager_attention_forward: q and k cast to fp32 (no-op casts in an fp32 model)"),
     "gpt2": (2, 2, "eager_attention_forward"),
     "bert": (2, 2, "eager_attention_forward, no mask (no padding in the inputs)"),
     "t5": (6, 0, "encoder self 2, decoder self 2, cross 2: scores + position_bias + mask, two "
