@@ -2,32 +2,59 @@
 
 Rewrites (q, k, v of shape (..., L, D), (..., S, D), (..., S, Dv))::
 
-    s = q @ k.transpose(-2, -1)         # or torch.matmul / bmm / any (..., D, S) tensor
-    s = s * scale  |  s / c             # optional; a number or a static scalar tensor
-    s = s + mask                        # optional additive mask, or instead
-    s = s.masked_fill(~keep, -inf)      #   a boolean mask (masked_fill or torch.where)
-    p = softmax(s, dim=-1)              # optional no-op cast and dropout after it
+    s = q @ k.transpose(-2, -1)         # or torch.matmul / bmm / aten; k^T as permute(0, 1, 3, 2)
+    s = s * scale  |  s / c  |  s /= c  # optional; a number, a host scalar or a 0-d tensor
+    s = s + mask                        # optional masks, any number, in any order:
+    s = s.masked_fill(~keep, -inf)      #   additive, or boolean with a very negative fill
+    p = softmax(s, dim=-1)              # or aten._safe_softmax; casts, clone, dropout after it
     out = p @ v
   ->
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=..., dropout_p=p, scale=scale)
     (npu, training: torch_npu.npu_fusion_attention(q, k, v, N, "BNSD", atten_mask=~keep,
      scale=scale, keep_prob=1-p)[0]; reference npu_ecosystem.md §1.1)
 
-Without a scale op the fused call gets ``scale=1.0`` (SDPA's default would be 1/sqrt(D)).
+The matcher walks back from ``p @ v`` in four named steps (``_probabilities``,
+``_softmax_input``, ``_scores``, ``_qkv``), then ``_spec`` checks dtypes and masks. It reads
+the spellings model code writes (Inductor's 30 ``_sfdp_pattern_*`` forms and ten transformers
+families, ``tests/test_reach_attention.py``):
+
+* scale: numbers, host scalars (from shapes) and 0-d constants (``torch.full([], c)``) fold into
+  ``scale``; a 0-d tensor computed at run time (an input, a buffer) multiplies q instead, so its
+  gradient flows as before. Without a scale op the fused call gets ``scale=1.0`` (SDPA's default
+  would be 1/sqrt(D)).
+* masks: one boolean fill (``masked_fill``/``where``, the fill a number or a 0-d constant such
+  as ``torch.full((), -inf)``) is a keep mask; one additive float mask goes in as is; anything
+  else (position bias + padding mask, a fill and an add, an added **bool**, which adds 0/1 and is
+  never a keep mask) becomes one additive mask, folded in graph order (``+ m``, and
+  ``where(keep, total, fill)`` for a fill: s + fill rounds to fill, or underflows in exp like
+  the original). A mask built with ``mask.expand_as(scores)`` is re-pointed to ``expand(shape)``.
+* dtypes: the rewrite computes in the dtype the original computed in, or declines: between
+  q @ k^T and p @ v values stay in q's dtype, or are upcast to float32 for the softmax and come
+  back to q's dtype before p @ v (SDPA's and npu_fusion_attention's kernels compute the softmax
+  of half inputs in float32); other casts decline with the dtype.
+* layouts: (B*N, L, S) scores viewed to (B, N, L, S) and back (before or after the softmax:
+  Inductor's form 24, BLOOM) give the fused op (B, N, ...) q/k/v and the result is reshaped back;
+  ``bias.baddbmm(q, k^T, beta=1, alpha=a)`` (BLOOM's ALiBi) is scale ``a`` and an additive term;
+  one-head multi-query k/v (Falcon) is expanded for SDPA and passed as is to the NPU kernel
+  (Nq % Nkv == 0, §1.1), like transformers' ``repeat_kv``'d k/v.
+* dropout: in training its p goes into the fused call (the kernel draws its own mask: same
+  distribution, different draws); in eval, or ``training=False``, p is 0.
+
 NPU training form (reference §1.1, op-plugin FlashAttentionKernelNpuOpApi.cpp): every tensor
 must be on the NPU, so the causal 2048x2048 mask is made with ``q.new_ones``; ``atten_mask``
 takes BNSS, B1SS, 11SS or SS only, so other broadcastable masks (BERT's (B, 1, 1, S)) are
 expanded first, as torch_npu's SDPA does, and ``inner_precise=2`` goes with a mask (ditto);
 declined, with the reason, off A2/A3/950, for > 256 query heads, key/value of different
 shapes, keep_prob outside (0, 1], and additive masks not provably ``where(keep, 0, -big)``
-(they would need ``pse``, whose shapes the reference does not document).
+(ALiBi, T5's position bias: they would need ``pse``, whose shapes the reference does not
+document).
 
-Safe when: every intermediate (scores, probabilities) has no other user (attention weights
-returned to the caller must stay), the softmax is over the last dim, a boolean fill value is
-very negative (≤ -1e4: its exp underflows against ordinary scores), q/k/v share a dtype, and
-the mask broadcasts to the scores. Declines two masks at once (bool and additive).
-Contract: exact (the fused kernel reorders the softmax reduction: fp32 rounding only). With
-dropout the fused kernel draws its own mask: same distribution, different draws.
+Safe when: every intermediate (scores, probabilities) has no other user but shape reads
+(attention weights returned to the caller must stay), the softmax is over the last dim, a
+boolean fill value is very negative (<= -1e4: its exp underflows against ordinary scores), no
+scale follows a mask, q/k/v share a dtype, and every mask broadcasts to the scores. A matched
+form that cannot be fused is declined through ``ctx.decline`` with the reason.
+Contract: exact (the fused kernel reorders the softmax reduction: fp32 rounding only).
 Devices: cpu, cuda (SDPA), npu (npu_fusion_attention in training, SDPA in inference).
 """
 from __future__ import annotations
@@ -194,10 +221,10 @@ def _match(out: Node) -> tuple[AttentionMatch | None, str]:
     try:
         m = AttentionMatch(out, None)  # type: ignore[arg-type]
         softmax, dropout_p, merge = _probabilities(m, out)
-        scores = _softmax_input(m, softmax)
+        scores = _softmax_input(softmax)
         qk = _scores(m, scores, softmax, merge)
         q, k, v = _qkv(m, qk, out.args[1])
-        m.spec = _spec(m, softmax, q, k, v, dropout_p)
+        m.spec = _spec(m, q, k, v, dropout_p)
     except _NoMatch as e:
         return None, e.reason
     return m, ""
@@ -232,7 +259,7 @@ def _probabilities(m: AttentionMatch, out: Node) -> tuple[Node, float, Node | No
     return node, dropout_p, merge
 
 
-def _softmax_input(m: AttentionMatch, softmax: Node) -> Node:
+def _softmax_input(softmax: Node) -> Node:
     """Step 2: the softmax is over the last dim; returns the scores it reads."""
     scores = softmax.args[0]
     info = tensor_info(scores)
@@ -279,6 +306,8 @@ def _scores(m: AttentionMatch, scores: Node, softmax: Node, merge: Node | None) 
             cont, mask = (a, b) if _leads_to_qk(a) else (b, a)
             if not _leads_to_qk(cont) or not isinstance(mask, Node):
                 raise _NoMatch("an add that is not a mask")
+            if node.target is operator.iadd and cont is not a:
+                raise _NoMatch("mask += scores writes into the mask")  # others may read it later
             steps.append(("term", Term("add", mask)))
         elif name in ("masked_fill", "where"):
             got = _bool_mask(node)
@@ -354,14 +383,14 @@ def _qkv(m: AttentionMatch, qk: Node, v: Any) -> tuple[Node, Node, Node]:
     return q, k, v
 
 
-def _spec(m: AttentionMatch, softmax: Node, q: Node, k: Node, v: Node, dropout_p: float) -> AttentionSpec:
+def _spec(m: AttentionMatch, q: Node, k: Node, v: Node, dropout_p: float) -> AttentionSpec:
     """The facts the backend checks, after the dtype and mask checks."""
     q_info, k_info, v_info = tensor_info(q), tensor_info(k), tensor_info(v)
     if q_info is None or k_info is None or v_info is None:
         raise _NoMatch("q, k or v has no shape information")
     if not (q_info.dtype == k_info.dtype == v_info.dtype) or not q_info.dtype.is_floating_point:
         raise _NoMatch(f"q, k, v dtypes differ or are not floating ({q_info.dtype}, {k_info.dtype}, {v_info.dtype})")
-    _check_dtypes(m, softmax, q_info.dtype)
+    _check_dtypes(m, q_info.dtype)
     # k holds k^T when k_needs_transpose: its shape as (..., S, D) either way
     k_shape = k_info.shape if not m.k_needs_transpose else k_info.shape[:-2] + (k_info.shape[-1], k_info.shape[-2])
     q_shape, v_shape = q_info.shape, v_info.shape
@@ -402,7 +431,7 @@ def _broadcasts_batch(k_shape: tuple[int, ...], q_shape: tuple[int, ...]) -> boo
     return all(a in (1, b) for a, b in zip(k_shape[:-2], q_shape[:-2]))
 
 
-def _check_dtypes(m: AttentionMatch, softmax: Node, dtype: torch.dtype) -> None:
+def _check_dtypes(m: AttentionMatch, dtype: torch.dtype) -> None:
     """The rewrite computes in the dtype the original computed in, or declines. Between q @ k^T
     and p @ v the values may stay in q's dtype, or be upcast to float32 for the softmax and come
     back to q's dtype before p @ v (SDPA's and npu_fusion_attention's kernels compute the
