@@ -230,6 +230,10 @@ class Forms(torch.nn.Module):
             s = s.float()
         elif f == "other_reader":
             s = s + s.sum()
+        elif f == "mask_iadd":  # the add writes into the mask, not into the scores
+            m = extra.clone()
+            m += s
+            s = m
         if f == "safe_softmax":
             p = torch.ops.aten._safe_softmax(s, -1)
         else:
@@ -251,7 +255,8 @@ def _form_inputs(form, dtype=torch.float32):
     extra = {"tensor_scale": torch.tensor(0.25), "full_fill": keep, "expand_as": ~keep[:, :, :1],
              "bias_and_mask": (torch.randn(1, 4, 8, 8, generator=gen), torch.randn(2, 1, 1, 8, generator=gen)),
              "baddbmm": (torch.randn(8, 1, 8, generator=gen), keep),
-             "baddbmm_beta2": (torch.randn(8, 1, 8, generator=gen), keep)}.get(form)
+             "baddbmm_beta2": (torch.randn(8, 1, 8, generator=gen), keep),
+             "mask_iadd": torch.randn(2, 4, 8, 8, generator=gen)}.get(form)
     return (q, k, v) if extra is None else (q, k, v, extra)
 
 
@@ -274,6 +279,7 @@ def test_real_model_forms_fire_with_equal_outputs_and_grads(form):
     ("downcast", "casts the attention to torch.float16"),
     ("baddbmm_beta2", "beta 2.0"),
     ("other_reader", "has other users"),
+    ("mask_iadd", "writes into the mask"),
 ])
 def test_real_model_forms_declined_with_the_reason(form, reason):
     from rewriter.backends import CpuBackend
