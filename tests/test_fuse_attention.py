@@ -64,7 +64,7 @@ def test_eval_mode_dropout_becomes_zero():
     assert "dropout_p = 0.0" in code(cap)
 
 
-@pytest.mark.parametrize("variant", ["two_masks", "mask_then_scale", "small_fill", "dim2"])
+@pytest.mark.parametrize("variant", ["mask_then_scale", "small_fill", "dim2"])
 def test_declines_what_it_cannot_express(variant):
     model = HandAttention(variant)
     cap, sites = rewrite(model, _inputs(variant), "fuse_attention")
@@ -164,3 +164,149 @@ def test_npu_causal_uses_compressed_mask_and_sparse_mode(fake_torch_npu):
                          backend=NpuBackend())
     assert "sparse_mode = 2" in code(cap) and "triu" in code(cap)
     torch.testing.assert_close(cap(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_additive_bool_mask_is_its_float_value_not_a_keep_mask():
+    """pytorch's test_sdpa_rewriter_5 form: scores + bool adds +1/+0; SDPA would read keep/drop."""
+    class AddBool(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return torch.softmax(q @ k.transpose(-2, -1) / 0.5 + mask, dim=-1) @ v
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 16, generator=gen) for _ in range(3))
+    mask = torch.randn(1, 1, 8, 8, generator=gen) > 0
+    model = AddBool()
+    cap, sites = rewrite(model, (q, k, v, mask), "fuse_attention")
+    assert len(sites) == 1
+    _check_same(model, cap, (q, k, v, mask))
+
+
+def test_a_bool_fill_and_an_additive_mask_become_one_additive_mask():
+    model = HandAttention("two_masks")
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    x, bias = torch.randn(B, T, D), torch.randn(T, T)
+    cap, sites = rewrite(model, (x, (causal, bias)), "fuse_attention", training=True)
+    assert len(sites) == 1 and "2 masks combined" in sites[0].description
+    params = list(model.parameters())
+    for g, w in zip(*(sum(outputs_and_grads(f, (x, (causal, bias)), params), []) for f in (cap, model))):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+# --- the forms real model code writes: fired, numerics, declines, NPU shim -----------------------
+
+class Forms(torch.nn.Module):
+    """One attention in the spelling ``form`` names, on (B, N, S, D) q, k, v (k/v (B, 1, S, D)
+    for "multi_query") and an optional extra input."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+
+    def forward(self, q, k, v, extra=None):
+        f, d = self.form, q.shape[-1]
+        if f == "baddbmm" or f == "baddbmm_beta2":  # BLOOM: alibi, views around the mask
+            b, n, s, _ = q.shape
+            scores = extra[0].baddbmm(q.reshape(b * n, s, d), k.reshape(b * n, s, d).transpose(-1, -2),
+                                      beta=2.0 if f == "baddbmm_beta2" else 1.0, alpha=d ** -0.5)
+            w = scores.view(b, n, s, s).masked_fill(~extra[1], torch.finfo(q.dtype).min)
+            p = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.bmm(p.view(b * n, s, s), v.reshape(b * n, s, d)).view(b, n, s, d)
+        s = q @ k.transpose(-1, -2)
+        if f in ("itruediv", "multi_query"):
+            s /= d ** 0.5
+        elif f == "tensor_scale":
+            s = s * extra
+        else:
+            s = s * d ** -0.5
+        if f == "full_fill":
+            s = s.masked_fill(~extra, torch.full((), float("-inf")))
+        elif f == "expand_as":
+            s = s.masked_fill(extra.expand_as(s), float("-inf"))
+        elif f == "bias_and_mask":
+            s = s + extra[0]
+            s = s + extra[1]
+        elif f == "downcast":
+            s = s.half()
+        elif f == "upcast":
+            s = s.float()
+        elif f == "other_reader":
+            s = s + s.sum()
+        elif f == "mask_iadd":  # the add writes into the mask, not into the scores
+            m = extra.clone()
+            m += s
+            s = m
+        if f == "safe_softmax":
+            p = torch.ops.aten._safe_softmax(s, -1)
+        else:
+            p = torch.softmax(s, dim=-1)
+        if f == "clone":
+            p = p.clone()
+        if f in ("downcast", "upcast"):
+            p = p.type_as(q)
+        return p @ v
+
+
+def _form_inputs(form, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    shape = (2, 4, 8, 16)
+    q, k, v = (torch.randn(shape, generator=gen).to(dtype) for _ in range(3))
+    if form == "multi_query":
+        k, v = k[:, :1].contiguous(), v[:, :1].contiguous()
+    keep = torch.tril(torch.ones(8, 8, dtype=torch.bool)).expand(2, 1, 8, 8)
+    extra = {"tensor_scale": torch.tensor(0.25), "full_fill": keep, "expand_as": ~keep[:, :, :1],
+             "bias_and_mask": (torch.randn(1, 4, 8, 8, generator=gen), torch.randn(2, 1, 1, 8, generator=gen)),
+             "baddbmm": (torch.randn(8, 1, 8, generator=gen), keep),
+             "baddbmm_beta2": (torch.randn(8, 1, 8, generator=gen), keep),
+             "mask_iadd": torch.randn(2, 4, 8, 8, generator=gen)}.get(form)
+    return (q, k, v) if extra is None else (q, k, v, extra)
+
+
+NEW_FORMS = ["itruediv", "tensor_scale", "full_fill", "expand_as", "bias_and_mask", "clone",
+             "safe_softmax", "baddbmm", "multi_query", "upcast"]
+
+
+@pytest.mark.parametrize("form", NEW_FORMS)
+def test_real_model_forms_fire_with_equal_outputs_and_grads(form):
+    dtype = torch.float16 if form == "upcast" else torch.float32  # upcast: fp32 softmax of fp16
+    model, args = Forms(form), _form_inputs(form, dtype)
+    cap, sites = rewrite(model, args, "fuse_attention", front_end="dynamo", training=True)
+    assert len(sites) == 1
+    assert "scaled_dot_product_attention" in code(cap) and "softmax" not in code(cap)
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else dict(rtol=1e-5, atol=1e-5)
+    _check_same(model, cap, args, **tol)
+
+
+@pytest.mark.parametrize("form,reason", [
+    ("downcast", "casts the attention to torch.float16"),
+    ("baddbmm_beta2", "beta 2.0"),
+    ("other_reader", "has other users"),
+    ("mask_iadd", "writes into the mask"),
+])
+def test_real_model_forms_declined_with_the_reason(form, reason):
+    from rewriter.backends import CpuBackend
+    from rewriter.capture import capture
+    from rewriter.ir import copy_graph_module
+    from rewriter.pass_api import PassContext, registered_passes
+    torch._dynamo.reset()
+    model, args = Forms(form), _form_inputs(form)
+    cap = capture(model, args, {}, "dynamo")
+    cap(*args)
+    ctx = PassContext(CpuBackend(), True)
+    sites = [s for slot in cap.slots
+             for s in registered_passes()["fuse_attention"].find(copy_graph_module(slot.kept), ctx)]
+    assert sites == [] and any(reason in why for why in ctx.declined), ctx.declined
+
+
+@pytest.mark.parametrize("form,fused", [("multi_query", True), ("full_fill", True),
+                                        ("tensor_scale", True), ("baddbmm", False),
+                                        ("bias_and_mask", False)])
+def test_real_model_forms_on_the_npu_shim(fake_torch_npu, form, fused):
+    """Multi-query k/v goes to the kernel with its one head (Nq % Nkv == 0, §1.1); a combined
+    additive mask would need pse (declined)."""
+    torch._dynamo.reset()
+    model, args = Forms(form), _form_inputs(form)
+    cap, sites = rewrite(model, args, "fuse_attention", front_end="dynamo", training=True,
+                         backend=NpuBackend())
+    assert len(sites) == int(fused)
+    if fused:
+        assert "npu_fusion_attention" in code(cap) and "expand" not in code(cap)
+        _check_same(model, cap, args)
