@@ -82,6 +82,18 @@ class FuseGelu(RulePass):
     version = 2  # the erf and factored tanh forms
     rules = RULES
 
+    def applies_to(self, ctx: PassContext) -> str | None:
+        why = super().applies_to(ctx)
+        if why is None:
+            # Where neither npu_gelu nor a quick form is offered (an NPU chip or torch_npu the
+            # docs do not list), the pass is not applicable: the erf form alone is left to it.
+            tanh = ctx.backend.cannot_offer("gelu_tanh")
+            quick = ctx.backend.cannot_offer("quick_gelu") if ctx.dtype is not None else \
+                "quick GELU is an approximation, fused only with optimize(dtype=...)"
+            if tanh and quick:
+                why = f"{tanh}; {quick}"
+        return why
+
     def active_rules(self, ctx: PassContext) -> tuple[Rule, ...]:
         # quick GELU is an approximation: only with dtype=, and only where a fused form exists;
         # otherwise it is not a site (nothing to decline: it is left as written).

@@ -14,7 +14,7 @@ is the same norm computed in fp32 (``x * rsqrt(v)`` promotes ``x``), so the fuse
 ``x`` cast to the dtype the model's expression computed in.
 
 Safe when: the square, mean, add, rsqrt feed only each other; the mean is over the last dim
-with keepdim; ``eps`` is a number; ``w`` is 1-D of the normalised size, in the norm's dtype.
+with keepdim; ``eps`` is a number; ``w`` is 1-D of the normalised size.
 Contract: exact (one reduction instead of several: fp32 rounding only). The NPU form is used
 only without a real dtype cast between the norm and the weight (npu_rms_norm computes
 internally, so it cannot cast before the weight as HF does; reference §1.3 caveat).
@@ -49,9 +49,9 @@ def offset_rms_norm_pattern(x, eps, w):  # Gemma: weight stored as w - 1
 
 
 def _dtype(m: Match) -> torch.dtype:
-    """The dtype the norm computes in: its result's (``x * rsqrt(v)`` promotes: T5's bf16 ``x``
-    with an fp32 ``v`` is an fp32 norm)."""
-    return tensor_info(m.root).dtype
+    """The dtype the norm computes in: ``x * rsqrt(v)`` promotes (T5's bf16 ``x`` with an fp32
+    ``v`` is an fp32 norm)."""
+    return torch.promote_types(m.info("x").dtype, tensor_info(m.node("rsqrt")).dtype)
 
 
 def _dim(m: Match) -> int:
@@ -59,12 +59,12 @@ def _dim(m: Match) -> int:
 
 
 def is_norm(m: Match) -> bool:
-    return m.info("x") is not None and m.number("eps") is not None and tensor_info(m.root) is not None
+    return m.info("x") is not None and m.number("eps") is not None and tensor_info(m.node("rsqrt")) is not None
 
 
 def has_weight_of_norm_size(m: Match) -> bool:
     w = m.info("w")
-    return is_norm(m) and w is not None and w.shape == (_dim(m),) and w.dtype == _dtype(m)
+    return is_norm(m) and w is not None and w.shape == (_dim(m),)
 
 
 def can_fuse(m: Match, ctx: PassContext) -> str | None:

@@ -566,11 +566,11 @@ class RulePass(Pass):
             m = match_rules(rules, node)
             if m is None or any(n in claimed for n in m.nodes):
                 continue
+            claimed.update(m.nodes)  # a declined site is still this rule's: no sub-rule takes part of it
             why = next((w for w in (c(m, ctx) for c in m.rule.checks) if w), None)
             if why is not None:
                 ctx.decline(f"{self.name} at {node.name}", why)
                 continue
-            claimed.update(m.nodes)
             label = m.rule.describe(m) if m.rule.describe else m.rule.name
             sites.append(Site(node, f"{node.name}: {label}", m))
         self._report_autograd_functions(gm, ctx, rules)
