@@ -88,12 +88,13 @@ def _describe(folded: str):
     return lambda m: f"rms_norm over {_dim(m)}, eps {m.number('eps'):g}{folded}"
 
 
+# Widest first: Gemma's (1 + w) is also a weight, but named as what the model wrote.
 RULES = (
-    Rule("rms_norm, weight folded", weighted_rms_norm_pattern, lambda g, m, ctx: _emit(g, m, ctx, m["w"]),
-         (has_weight_of_norm_size,), (can_fuse,), _describe(", weight folded")),
     Rule("rms_norm, offset weight folded", offset_rms_norm_pattern,
          lambda g, m, ctx: _emit(g, m, ctx, g.call_function(operator.add, (1.0, m["w"]))),
          (has_weight_of_norm_size,), (can_fuse,), _describe(", weight (1 + w) folded")),
+    Rule("rms_norm, weight folded", weighted_rms_norm_pattern, lambda g, m, ctx: _emit(g, m, ctx, m["w"]),
+         (has_weight_of_norm_size,), (can_fuse,), _describe(", weight folded")),
     Rule("rms_norm", rms_norm_pattern, lambda g, m, ctx: _emit(g, m, ctx, None),
          (is_norm,), (can_fuse_before_cast,), _describe("")),
 )
