@@ -91,7 +91,20 @@ _SIGNATURES: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "split": (("input", "split_size_or_sections", "dim"), {"dim": 0}),
     "getitem": (("input", "index"), {}),
     "cat": (("tensors", "dim"), {"dim": 0}),
+    "var": (("input", "dim", "unbiased", "keepdim", "correction"), {"unbiased": None, "keepdim": False,
+                                                                   "correction": None}),
 }
+
+
+def _var_correction(args: dict[str, Any]) -> dict[str, Any]:
+    # var(unbiased=False) is var(correction=0); unbiased=True (or neither) is correction=1
+    corr = args.pop("correction")
+    unbiased = args.pop("unbiased")
+    args["correction"] = corr if corr is not None else (0 if unbiased is False else 1)
+    return args
+
+
+_CANONICAL_ARGS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"var": _var_correction}
 _DIM_ARGS = {"dim"}
 _AC_OPS = ("mul", "add")  # associative and commutative: matched as multisets
 
@@ -303,7 +316,8 @@ def _normalise(node: Node, name: str) -> dict[str, Any] | None:
         if key not in names:
             return None
         out[key] = v
-    return out
+    fix = _CANONICAL_ARGS.get(name)
+    return fix(out) if fix is not None else out
 
 
 def _dims(value: Any, ndim: int | None) -> Any:
