@@ -49,12 +49,12 @@ from torch.fx import Graph, GraphModule, Node
 
 from rewriter.ir import (
     arg,
-    is_cast,
     op_name,
     replace_node,
     static_number,
     static_tensor,
     tensor_info,
+    writes_in_place,
 )
 from rewriter.pass_api import Pass, PassContext, Site
 
@@ -91,6 +91,18 @@ _SIGNATURES: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "split": (("input", "split_size_or_sections", "dim"), {"dim": 0}),
     "getitem": (("input", "index"), {}),
     "cat": (("tensors", "dim"), {"dim": 0}),
+    "matmul": (("input", "other"), {}),
+    "addmm": (("input", "mat1", "mat2", "beta", "alpha"), {"beta": 1, "alpha": 1}),
+    "one_hot": (("input", "num_classes"), {"num_classes": -1}),
+    "embedding": (("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"),
+                  {"padding_idx": None, "max_norm": None, "norm_type": 2.0, "scale_grad_by_freq": False,
+                   "sparse": False}),
+    "conv": (("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+             {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}),
+    "batch_norm": (("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+                   {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}),
+    "transpose": (("input", "dim0", "dim1"), {}),
+    "to": (("input", "dtype"), {}),
     "var": (("input", "dim", "unbiased", "keepdim", "correction"), {"unbiased": None, "keepdim": False,
                                                                    "correction": None}),
 }
@@ -130,6 +142,8 @@ def canonical(node: Any) -> str | None:
             return "div"
         if target.endswith("_") and not target.startswith("_") and target[:-1] in _SIGNATURES:
             return target[:-1]  # in-place method (x.mul_(y)): see _writes_only_dead
+        if target in _CAST_METHODS or target in ("type", "type_as"):
+            return "to"  # every cast: compared by the dtype it produces
     return op_name(node)
 
 
@@ -180,7 +194,7 @@ def is_optional_link(node: Any) -> bool:
     a, b = tensor_info(node), tensor_info(node.args[0])
     if a is None or b is None:
         return False
-    if is_cast(node) or name == "double":
+    if name == "to":
         # no-op, or an up-cast between float dtypes (exact: every value is representable)
         return a.dtype == b.dtype or (a.dtype.is_floating_point and b.dtype.is_floating_point
                                       and a.dtype.itemsize > b.dtype.itemsize)
@@ -301,8 +315,35 @@ def _match_literal(p: Any, t: Any, st: _State) -> Iterator[_State]:
         yield st
 
 
+_VARIADIC = {"permute": "dims", "view": "shape", "reshape": "shape"}  # x.view(2, 3) = x.view((2, 3))
+_CAST_METHODS = {"float": torch.float32, "half": torch.float16, "double": torch.float64,
+                 "bfloat16": torch.bfloat16}
+
+
+def _normalise_cast(node: Node) -> dict[str, Any] | None:
+    """A cast read as (input, dtype): from the node's recorded dtype in a captured graph, from
+    its spelling in a pattern (``x.to(dtype)``, ``x.float()``)."""
+    info = tensor_info(node)
+    if info is not None:
+        return {"input": node.args[0], "dtype": info.dtype}
+    if node.target in _CAST_METHODS:
+        return {"input": node.args[0], "dtype": _CAST_METHODS[node.target]}
+    dtype = node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
+    return {"input": node.args[0], "dtype": dtype}
+
+
 def _normalise(node: Node, name: str) -> dict[str, Any] | None:
     """``node``'s arguments by name, defaults filled; None when it has arguments we do not know."""
+    if name == "to":
+        return _normalise_cast(node)
+    if name in _VARIADIC:
+        key = _VARIADIC[name]
+        rest = node.args[1:]
+        value = tuple(rest) if len(rest) != 1 else rest[0]
+        if not rest:
+            value = node.kwargs.get(key, node.kwargs.get("size"))
+        return {"input": node.args[0] if node.args else node.kwargs.get("input"),
+                key: tuple(value) if isinstance(value, list) else value}
     sig = _SIGNATURES.get(name)
     if sig is None:
         return {**{str(i): a for i, a in enumerate(node.args)}, **node.kwargs}
@@ -596,7 +637,10 @@ class RulePass(Pass):
             m: Match = site.match
             with g.inserting_before(m.root):
                 new = m.rule.replacement(g, m, ctx)
-            replace_node(m.root, new, self.name, m.dead)
+            # wildcards bound to pure nodes only the match read (w.t(), x[..., :h]) go too
+            bound = [v for v in m.values.values() if isinstance(v, Node)
+                     and v.op in ("call_function", "call_method") and not writes_in_place(v)]
+            replace_node(m.root, new, self.name, m.dead + bound)
 
     def _report_autograd_functions(self, gm: GraphModule, ctx: PassContext, rules: tuple[Rule, ...]) -> None:
         for node in gm.graph.nodes:
