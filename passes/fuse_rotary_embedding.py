@@ -125,6 +125,7 @@ class FuseRotaryEmbedding(RulePass):
     contract = "exact"
     devices = frozenset({"npu"})
     fused_kind = "rotary"
+    version = 2  # the chunked rotate_half too
     rules = RULES
 
     def cannot_find(self, ctx: PassContext) -> str | None:

@@ -211,3 +211,36 @@ def test_two_projections_decline(fake_torch_npu, case):
     backend = None if case == "cpu" else NpuBackend()
     cap, sites = rewrite(model, (torch.randn(2, 16),), "fuse_geglu", backend=backend)
     assert sites == []  # CPU: no fused GeGLU; otherwise not one merged projection pair
+
+
+# --- rotary, rotate_half by chunk -------------------------------------------------------------------
+
+class ChunkRotary(nn.Module):
+    def forward(self, x, cos, sin):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _rope(d=16):
+    torch.manual_seed(0)
+    angle = torch.randn(1, 1, 8, d // 2)
+    emb = torch.cat((angle, angle), -1)
+    return torch.randn(2, 4, 8, d), emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+def test_chunked_rotary_on_npu_shim(fake_torch_npu, front_end):
+    model, args = ChunkRotary(), _rope()
+    cap, sites = rewrite(model, args, "fuse_rotary_embedding", front_end=front_end, training=True,
+                         backend=NpuBackend())
+    assert len(sites) == 1 and "npu_rotary_mul" in code(cap) and "chunk" not in code(cap)
+    _same(model, cap, args)
+
+
+def test_chunked_rotary_declines_on_cpu_and_for_the_wrong_halves(fake_torch_npu):
+    class Swapped(nn.Module):
+        def forward(self, x, cos, sin):
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * cos + torch.cat((-x1, x2), dim=-1) * sin  # not rotate_half
+    assert rewrite(ChunkRotary(), _rope(), "fuse_rotary_embedding")[1] == []
+    assert rewrite(Swapped(), _rope(), "fuse_rotary_embedding", backend=NpuBackend())[1] == []
