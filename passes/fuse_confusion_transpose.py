@@ -22,42 +22,30 @@ from rewriter.ir import tensor_info
 from rewriter.pass_api import PassContext, register_pass
 from rewriter.rules import Match, Rule, RulePass
 
-REORDERS = {  # x -> x with its dims reordered
-    "transpose": lambda x, dims, a, b: x.transpose(a, b),
-    "permute": lambda x, dims, a, b: x.permute(dims),
-}
-RESHAPES = {
-    "reshape": lambda x, shape: x.reshape(shape),
-    "view": lambda x, shape: x.view(shape),
-}
+REORDERS = {"transpose": lambda x, dims, a, b: x.transpose(a, b), "permute": lambda x, dims, a, b: x.permute(dims)}
+RESHAPES = {"reshape": lambda x, shape: x.reshape(shape), "view": lambda x, shape: x.view(shape)}
 
 
 def _pattern(reorder, reshape, transpose_first: bool):
-    if transpose_first:  # .contiguous() between them is an optional link (rewriter.rules)
-        def confusion_transpose_pattern(x, dims, a, b, shape):
+    def confusion_transpose_pattern(x, dims, a, b, shape):  # a .contiguous() between is an optional link
+        if transpose_first:
             return reshape(reorder(x, dims, a, b), shape)
-    else:
-        def confusion_transpose_pattern(x, dims, a, b, shape):
-            return reorder(reshape(x, shape), dims, a, b)
+        return reorder(reshape(x, shape), dims, a, b)
     return confusion_transpose_pattern
 
 
 def _perm(m: Match) -> list[int] | None:
     """The permutation the transpose/permute applies, from its input's rank."""
     reorder = m.node("transpose") or m.node("permute")
-    info = tensor_info(reorder.args[0]) if reorder is not None else None
-    if info is None:
+    info = tensor_info(reorder.args[0])
+    dims = m.values.get("dims", (m.values.get("a"), m.values.get("b")))
+    if info is None or not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
         return None
-    n = info.ndim
     if "dims" in m.values:
-        dims = m["dims"]
-        ok = isinstance(dims, (list, tuple)) and all(isinstance(d, int) for d in dims)
-        return [d % n for d in dims] if ok else None
-    a, b = m["a"], m["b"]
-    if not (isinstance(a, int) and isinstance(b, int)):
-        return None
-    perm = list(range(n))
-    perm[a % n], perm[b % n] = perm[b % n], perm[a % n]
+        return [d % info.ndim for d in dims]
+    perm = list(range(info.ndim))
+    a, b = (d % info.ndim for d in dims)
+    perm[a], perm[b] = perm[b], perm[a]
     return perm
 
 
@@ -98,7 +86,7 @@ class FuseConfusionTranspose(RulePass):
     rules = RULES
 
     def cannot_find(self, ctx: PassContext) -> str | None:
-        return ctx.backend.cannot_offer("confusion_transpose")
+        return ctx.backend.cannot_offer(self.fused_kind)
 
 
 register_pass(FuseConfusionTranspose())

@@ -76,12 +76,9 @@ def is_projection_pair(m: Match) -> bool:
 
 def _can_gate(kind: str):
     def can_fuse(m: Match, ctx: PassContext) -> str | None:
-        if "w_gate" in m.values or "gate" in m.values:  # the kernel's input is two halves concatenated
-            info = tensor_info(m.root)
-            shape = info.shape[:-1] + (2 * info.shape[-1],)
-        else:
-            info = m.info("x")
-            shape = info.shape
+        halves = "w_gate" in m.values or "gate" in m.values  # the kernel's input: two halves concatenated
+        info = tensor_info(m.root) if halves else m.info("x")
+        shape = info.shape[:-1] + (2 * info.shape[-1],) if halves else info.shape
         return ctx.backend.cannot_gated(kind, shape, info.dtype)
     return can_fuse
 
@@ -104,13 +101,8 @@ def _geglu(packed_of):
     return lambda g, m, ctx: ctx.backend.emit_geglu(g, packed_of(g, m), -1, m["approximate"])
 
 
-def _packed(g, m):
-    return m["x"]
-
-
-def _concatenated(g, m):
-    return g.call_function(torch.cat, ([m["gate"], m["up"]], -1))
-
+_packed = lambda g, m: m["x"]  # noqa: E731
+_concatenated = lambda g, m: g.call_function(torch.cat, ([m["gate"], m["up"]], -1))  # noqa: E731
 
 SWIGLU, GEGLU = _can_gate("swiglu"), _can_gate("geglu")
 SWIGLU_RULES = (
