@@ -25,7 +25,9 @@ Inductor's ``pattern_matcher`` match by position only):
 - ``mul`` and ``add`` are associative and commutative: a chain of them is matched as a multiset
   (``0.5 * x * t`` = ``x * 0.5 * t`` = ``0.5 * (x * t)``);
 - optional links between pattern nodes: no-op casts, up-casts (fp16/bf16 -> fp32), ``contiguous``,
-  ``clone``, dropout with ``p = 0`` or not training, views and reshapes that keep the shape;
+  ``clone``, dropout with ``p = 0`` or not training, views and reshapes that keep the shape
+  (a view that changes the shape is a link only where the pattern's algebra is elementwise
+  across it, which the matcher cannot know: such views are written in the pattern);
 - constants with a relative tolerance (1e-6), given as Python numbers, 0-d tensors
   (``torch.full((), c)``, ``torch.tensor(c)``) or host scalars computed from shapes;
 - ``dim`` arguments modulo the input's rank, missing arguments as their defaults;
