@@ -14,8 +14,9 @@ Which half is activated: npu_swiglu the first (reference npu_ecosystem.md §1.6)
 ``activate_left=False`` the second, the one reading all its docs agree on (§1.7: the CANN pages
 contradict each other on ``activate_left=True``), the formula the shim records and
 ``tests/test_rule_reach.py`` pins. So the two-projection GeGLU (Gemma, T5's gated-gelu) is merged
-*up* weight first, gate second; a packed ``gelu(c[0]) * c[1]`` is declined (it would need
-activate_left=True). Merged weights are concatenated in the graph at every call (as
+*up* weight first, gate second, and so is the pair ``fuse_qkv_projections`` already merged
+(``gelu(split(linear(x, cat([Wg, Wu])))[0]) * [1]``: its cat is rebuilt up first); any other
+packed ``gelu(c[0]) * c[1]`` is declined (it would need activate_left=True). Merged weights are concatenated in the graph at every call (as
 ``fuse_qkv_projections`` does): the model's parameters, their gradients and ``state_dict()``
 stay as they are. ``approximate`` follows the model's ``F.gelu`` (0 = erf, 1 = tanh).
 CPU/CUDA: stock torch has no fused gated activation: NPU only. Chips (§1.6, §1.7): npu_swiglu
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.fx import Node
 
 from rewriter.ir import hoist_reads, is_parameter_like, tensor_info
 from rewriter.pass_api import PassContext, register_pass
@@ -50,6 +52,12 @@ def _projections_pattern(act):
     def gated_projections_pattern(x, w_gate, b_gate, w_up, b_up, approximate):
         return act(F.linear(x, w_gate, b_gate), approximate) * F.linear(x, w_up, b_up)
     return gated_projections_pattern
+
+
+def merged_projections_pattern(x, w_gate, w_up, b, size, approximate):
+    # what fuse_qkv_projections makes of gate(x), up(x): one linear on cat([Wg, Wu]), split
+    c = F.linear(x, torch.cat([w_gate, w_up], 0), b).split(size, -1)
+    return F.gelu(c[0], approximate=approximate) * c[1]
 
 
 def swiglu_pattern(gate, up):
@@ -74,9 +82,24 @@ def is_projection_pair(m: Match) -> bool:
             and all(is_parameter_like(m[k]) for k in ("w_gate", "w_up", "b_gate", "b_up")))
 
 
+def is_merged_pair(m: Match) -> bool:
+    b = m["b"]
+    halves = b is None or (isinstance(b, Node) and b.target is torch.cat and len(b.args[0]) == 2 and len(b.users) == 1)
+    wg, wu = m.info("w_gate"), m.info("w_up")
+    return halves and wg is not None and wu is not None and wg.shape == wu.shape and m.info("x") is not None \
+        and "size" in m.values and m["size"] in (wg.shape[0], [wg.shape[0]] * 2, (wg.shape[0],) * 2)
+
+
+def _reordered_merge(g, m: Match):
+    """The merged projection rebuilt up-half first (activate_left=False activates the second)."""
+    b = m["b"]
+    b = g.call_function(torch.cat, ([b.args[0][1], b.args[0][0]], 0)) if b is not None else None
+    return g.call_function(F.linear, (m["x"], g.call_function(torch.cat, ([m["w_up"], m["w_gate"]], 0)), b))
+
+
 def _can_gate(kind: str):
     def can_fuse(m: Match, ctx: PassContext) -> str | None:
-        halves = "w_gate" in m.values or "gate" in m.values  # the kernel's input: two halves concatenated
+        halves = "w_gate" in m.values or "gate" in m.values  # the kernel's input: the two halves
         info = tensor_info(m.root) if halves else m.info("x")
         shape = info.shape[:-1] + (2 * info.shape[-1],) if halves else info.shape
         return ctx.backend.cannot_gated(kind, shape, info.dtype)
@@ -118,6 +141,8 @@ GEGLU_RULES = (
     # the gate goes second: activate_left=False activates the second half (§1.7)
     Rule("geglu (two projections, merged)", _projections_pattern(ACTIVATIONS["gelu"]),
          _geglu(_merged_projection("up", "gate")), (is_projection_pair,), (GEGLU,)),
+    Rule("geglu (merged projections, reordered)", merged_projections_pattern, _geglu(_reordered_merge),
+         (is_merged_pair,), (GEGLU,)),
 )
 
 

@@ -244,3 +244,27 @@ def test_chunked_rotary_declines_on_cpu_and_for_the_wrong_halves(fake_torch_npu)
             return x * cos + torch.cat((-x1, x2), dim=-1) * sin  # not rotate_half
     assert rewrite(ChunkRotary(), _rope(), "fuse_rotary_embedding")[1] == []
     assert rewrite(Swapped(), _rope(), "fuse_rotary_embedding", backend=NpuBackend())[1] == []
+
+
+def test_geglu_after_fuse_qkv_projections_reorders_the_merged_weights(fake_torch_npu):
+    """The pipeline merges gate/up first (fuse_qkv_projections: gelu(c[0]) * c[1] of one linear);
+    the GeGLU rule rebuilds that merge up-half first, so activate_left=False applies (§1.7)."""
+    from rewriter.pass_api import PassContext, registered_passes
+    from rewriter.capture import capture
+    torch.manual_seed(0)
+    for bias in (False, True):
+        model, x = GatedMlp("gelu-tanh", bias=bias), torch.randn(2, 5, 16)
+        cap = capture(model, (x,), {}, "fx")
+        ctx = PassContext(NpuBackend(), True)
+        for name in ("fuse_qkv_projections", "fuse_geglu"):
+            sites = cap.slots[0].try_pass(registered_passes()[name], ctx)
+            cap.slots[0].accept()
+            assert len(sites) == 1
+        assert "reordered" in sites[0].description and "npu_geglu" in code(cap)
+        _same(model, cap, (x,))
+    # gelu on the first half of a tensor nobody merged stays declined
+    class Packed(nn.Module):
+        def forward(self, h):
+            a, b = h.chunk(2, -1)
+            return F.gelu(a) * b
+    assert rewrite(Packed(), (torch.randn(2, 16),), "fuse_geglu", backend=NpuBackend())[1] == []
