@@ -1,6 +1,6 @@
 """fold_batch_norm: a convolution or linear followed by eval-mode BatchNorm, folded into one.
 
-Rewrites (inference only; ``s = bn_w / sqrt(running_var + eps)``)::
+A rule table (``rewriter.rules``; inference only; ``s = bn_w / sqrt(running_var + eps)``)::
 
     F.batch_norm(F.conv2d(x, W, b, ...), mean, var, bn_w, bn_b, training=False, eps=eps)
   ->
@@ -20,77 +20,74 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch.fx import GraphModule, Node
+import torch.nn.functional as F
 
-from rewriter.ir import (
-    arg,
-    hoist_reads,
-    is_op,
-    is_parameter_like,
-    mark_new_node,
-    single_user,
-    tensor_info,
+from rewriter.ir import hoist_reads, is_parameter_like
+from rewriter.pass_api import PassContext, register_pass
+from rewriter.rules import Match, Rule, RulePass
+
+
+def conv_batch_norm_pattern(x, w, b, stride, padding, dilation, groups, mean, var, bn_w, bn_b, momentum, eps):
+    # "conv" is one op for conv1d/2d/3d (rewriter.ir): the replacement calls the model's own
+    y = F.conv2d(x, w, b, stride, padding, dilation, groups)
+    return F.batch_norm(y, mean, var, bn_w, bn_b, False, momentum, eps)
+
+
+def linear_batch_norm_pattern(x, w, b, mean, var, bn_w, bn_b, momentum, eps):
+    return F.batch_norm(F.linear(x, w, b), mean, var, bn_w, bn_b, False, momentum, eps)
+
+
+def has_running_statistics(m: Match) -> bool:
+    # statistics computed in the graph would not be a plain eval-mode BatchNorm
+    stats = [m[k] for k in ("mean", "var", "bn_w", "bn_b")]
+    return m["mean"] is not None and m["var"] is not None and all(is_parameter_like(a) for a in stats) \
+        and m.info("w") is not None and m.number("eps") is not None
+
+
+def _folded(g, m: Match, ctx: PassContext):
+    producer = _producer(m)
+    mean, var, bn_w, bn_b = m["mean"], m["var"], m["bn_w"], m["bn_b"]
+    w, b = m["w"], m["b"]
+    hoist_reads(m.root, (mean, var, bn_w, bn_b))
+    inv = g.call_function(torch.rsqrt, (g.call_function(operator.add, (var, m.number("eps"))),))
+    scale = g.call_function(operator.mul, (inv, bn_w)) if bn_w is not None else inv
+    w_scale = g.call_function(torch.reshape, (scale, (-1,) + (1,) * (m.info("w").ndim - 1)))
+    new_w = g.call_function(operator.mul, (w, w_scale))
+    centered = g.call_function(operator.sub, (b, mean)) if b is not None else g.call_function(operator.neg, (mean,))
+    new_b = g.call_function(operator.mul, (centered, scale))
+    if bn_b is not None:
+        new_b = g.call_function(operator.add, (new_b, bn_b))
+    if "stride" in m.values:
+        args = (m["x"], new_w, new_b, m["stride"], m["padding"], m["dilation"], m["groups"])
+    else:
+        args = (m["x"], new_w, new_b)
+    return g.call_function(producer.target, args)
+
+
+def _producer(m: Match):
+    """The conv or linear the BatchNorm reads."""
+    return m.node("conv") or m.node("linear")
+
+
+def _describe(m: Match) -> str:
+    return f"batch norm folded into {_producer(m).name}"
+
+
+RULES = (
+    Rule("batch norm folded", conv_batch_norm_pattern, _folded, (has_running_statistics,), describe=_describe),
+    Rule("batch norm folded", linear_batch_norm_pattern, _folded, (has_running_statistics,), describe=_describe),
 )
-from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 
-def match(bn: Node) -> Node | None:
-    """The conv/linear node feeding eval-mode ``bn``, when foldable."""
-    if not is_op(bn, "batch_norm") or arg(bn, 5, "training", False) is not False:
-        return None
-    producer = bn.args[0]
-    if not (is_op(producer, "conv", "linear") and single_user(producer, bn)):
-        return None
-    if arg(bn, 1, "running_mean") is None or arg(bn, 2, "running_var") is None:
-        return None
-    if not all(is_parameter_like(a) for a in bn.args[1:5]):
-        return None  # statistics computed in the graph: not a plain eval-mode BatchNorm
-    w = tensor_info(arg(producer, 1, "weight"))
-    return producer if w is not None else None
-
-
-class FoldBatchNorm(Pass):
+class FoldBatchNorm(RulePass):
     name = "fold_batch_norm"
     contract = "exact"
     devices = frozenset({"cpu", "cuda", "npu"})
+    rules = RULES
 
-    def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
-        if ctx.training:
-            return []  # BatchNorm in training normalises by batch statistics: nothing to fold
-        return [Site(n, f"{p.name} + {n.name}: batch norm folded", p)
-                for n in gm.graph.nodes if (p := match(n)) is not None]
-
-    def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
-        g = gm.graph
-        for site in sites:
-            bn: Node = site.anchor
-            producer: Node = site.match
-            mean, var = arg(bn, 1, "running_mean"), arg(bn, 2, "running_var")
-            bn_w, bn_b, eps = arg(bn, 3, "weight"), arg(bn, 4, "bias"), arg(bn, 7, "eps", 1e-5)
-            w, b = arg(producer, 1, "weight"), arg(producer, 2, "bias")
-            ndim = tensor_info(w).ndim  # type: ignore[union-attr]
-            hoist_reads(producer, (mean, var, bn_w, bn_b))
-            with g.inserting_before(producer):
-                inv = g.call_function(torch.rsqrt, (g.call_function(operator.add, (var, eps)),))
-                scale = g.call_function(operator.mul, (inv, bn_w)) if bn_w is not None else inv
-                w_scale = g.call_function(torch.reshape, (scale, (-1,) + (1,) * (ndim - 1)))
-                new_w = g.call_function(operator.mul, (w, w_scale))
-                centered = g.call_function(operator.sub, (b, mean)) if b is not None else \
-                    g.call_function(operator.neg, (mean,))
-                new_b = g.call_function(operator.mul, (centered, scale))
-                if bn_b is not None:
-                    new_b = g.call_function(operator.add, (new_b, bn_b))
-            args = list(producer.args)
-            args[1] = new_w
-            if len(args) > 2:
-                args[2] = new_b
-                producer.args = tuple(args)
-            else:
-                producer.args = tuple(args)
-                producer.kwargs = {**producer.kwargs, "bias": new_b}
-            mark_new_node(producer, self.name)
-            bn.replace_all_uses_with(producer)
-            g.erase_node(bn)
+    def cannot_find(self, ctx: PassContext) -> str | None:
+        # BatchNorm in training normalises by batch statistics: nothing to fold
+        return "training: BatchNorm uses batch statistics" if ctx.training else None
 
 
 register_pass(FoldBatchNorm())

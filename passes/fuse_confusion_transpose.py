@@ -1,6 +1,7 @@
 """fuse_confusion_transpose: transpose/permute and reshape/view into one NPU kernel (NPU only).
 
-Rewrites (the head split and merge around attention)::
+A rule table (``rewriter.rules``: transpose or permute, reshape or view, either order; the
+head split and merge around attention)::
 
     x.transpose(1, 2)[.contiguous()].reshape(B, S, H)   -> torch_npu.npu_confusion_transpose(x, perm, [B, S, H], True)
     x.view(B, S, N, D).transpose(1, 2)                  -> torch_npu.npu_confusion_transpose(x, perm, [B, S, N, D], False)
@@ -15,83 +16,77 @@ Devices: npu.
 """
 from __future__ import annotations
 
-from torch.fx import GraphModule, Node
+import itertools
 
-from rewriter.ir import is_op, op_name, replace_node, single_user, tensor_info
-from rewriter.pass_api import Pass, PassContext, Site, register_pass
+from rewriter.ir import tensor_info
+from rewriter.pass_api import PassContext, register_pass
+from rewriter.rules import Match, Rule, RulePass
+
+REORDERS = {"transpose": lambda x, dims, a, b: x.transpose(a, b), "permute": lambda x, dims, a, b: x.permute(dims)}
+RESHAPES = {"reshape": lambda x, shape: x.reshape(shape), "view": lambda x, shape: x.view(shape)}
 
 
-def _perm_of(node: Node) -> list[int] | None:
-    info = tensor_info(node.args[0])
-    if info is None:
+def _pattern(reorder, reshape, transpose_first: bool):
+    def confusion_transpose_pattern(x, dims, a, b, shape):  # a .contiguous() between is an optional link
+        if transpose_first:
+            return reshape(reorder(x, dims, a, b), shape)
+        return reorder(reshape(x, shape), dims, a, b)
+    return confusion_transpose_pattern
+
+
+def _perm(m: Match) -> list[int] | None:
+    """The permutation the transpose/permute applies, from its input's rank."""
+    reorder = m.node("transpose") or m.node("permute")
+    info = tensor_info(reorder.args[0])
+    dims = m.values.get("dims", (m.values.get("a"), m.values.get("b")))
+    if info is None or not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
         return None
-    n = info.ndim
-    if op_name(node) == "transpose":
-        a, b = node.args[1] % n, node.args[2] % n
-        perm = list(range(n))
-        perm[a], perm[b] = perm[b], perm[a]
-        return perm
-    dims = node.args[1:] if len(node.args) > 2 else node.args[1]
-    dims = list(dims) if isinstance(dims, (list, tuple)) else None
-    return [d % n for d in dims] if dims and all(isinstance(d, int) for d in dims) else None
+    if "dims" in m.values:
+        return [d % info.ndim for d in dims]
+    perm = list(range(info.ndim))
+    a, b = (d % info.ndim for d in dims)
+    perm[a], perm[b] = perm[b], perm[a]
+    return perm
 
 
-def _static_shape(node: Node) -> list[int] | None:
-    dims = node.args[1:] if len(node.args) > 2 else node.args[1]
+def _shape(m: Match) -> list[int] | None:
+    """The reshape's target shape, when the graph gives it as constants (a shape computed at
+    run time would be wrong baked in for other inputs)."""
+    dims = m["shape"]
     dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
-    info = tensor_info(node)
+    info = tensor_info(m.node("reshape") or m.node("view"))
     if info is None or not all(isinstance(d, int) for d in dims):
-        return None  # shape computed at run time: a baked-in shape would be wrong for others
+        return None
     return list(info.shape)
 
 
-def match(node: Node) -> tuple[Node, list[int], list[int], bool, list[Node]] | None:
-    """(x, perm, shape, transpose_first, dead) for a permute→reshape or reshape→permute pair."""
-    if is_op(node, "reshape", "view"):
-        src, dead = node.args[0], []
-        if is_op(src, "contiguous") and single_user(src, node):
-            dead, src = [src], src.args[0]
-        if is_op(src, "transpose", "permute") and single_user(src, dead[0] if dead else node):
-            perm, shape = _perm_of(src), _static_shape(node)
-            if perm is not None and shape is not None:
-                return src.args[0], perm, shape, True, [src] + dead
-    if is_op(node, "transpose", "permute"):
-        src = node.args[0]
-        if is_op(src, "reshape", "view") and single_user(src, node):
-            perm, shape = _perm_of(node), _static_shape(src)
-            if perm is not None and shape is not None:
-                return src.args[0], perm, shape, False, [src]
-    return None
+def is_static(m: Match) -> bool:
+    return m.info("x") is not None and _perm(m) is not None and _shape(m) is not None
 
 
-class FuseConfusionTranspose(Pass):
+def can_take(m: Match, ctx: PassContext) -> str | None:
+    return ctx.backend.cannot_take("confusion_transpose", m.info("x").dtype)
+
+
+def _emit(transpose_first: bool):
+    return lambda g, m, ctx: ctx.backend.emit_confusion_transpose(g, m["x"], _perm(m), _shape(m), transpose_first)
+
+
+RULES = tuple(
+    Rule("permute then reshape" if first else "reshape then permute", _pattern(REORDERS[r], RESHAPES[s], first),
+         _emit(first), (is_static,), (can_take,))
+    for first, r, s in itertools.product((True, False), REORDERS, RESHAPES))
+
+
+class FuseConfusionTranspose(RulePass):
     name = "fuse_confusion_transpose"
     contract = "exact"
     devices = frozenset({"npu"})
     fused_kind = "confusion_transpose"
+    rules = RULES
 
-    def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
-        if not ctx.backend.offers("confusion_transpose"):
-            return []
-        sites = []
-        for node in gm.graph.nodes:
-            m = match(node)
-            info = tensor_info(m[0]) if m is not None else None
-            why = ctx.backend.cannot_take("confusion_transpose", info.dtype) if info is not None else None
-            if why is not None:
-                ctx.decline(f"{self.name} at {node.name}", why)
-            elif m is not None:
-                sites.append(Site(node, f"{node.name}: {'permute then reshape' if m[3] else 'reshape then permute'}", m))
-        return sites
-
-    def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
-        g = gm.graph
-        for site in sites:
-            x, perm, shape, first, dead = site.match
-            node: Node = site.anchor
-            with g.inserting_before(node):
-                new = ctx.backend.emit_confusion_transpose(g, x, perm, shape, first)
-            replace_node(node, new, self.name, list(reversed(dead)))
+    def cannot_find(self, ctx: PassContext) -> str | None:
+        return ctx.backend.cannot_offer(self.fused_kind)
 
 
 register_pass(FuseConfusionTranspose())

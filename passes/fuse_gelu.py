@@ -1,105 +1,92 @@
-"""fuse_gelu: GELU written out into one activation.
+"""fuse_gelu: GELU written out into one activation (a rule table, ``rewriter.rules``).
 
 Rewrites::
 
     0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))   -> F.gelu(x, approximate="tanh")
-        (transformers' NewGELUActivation / gelu_new; the same formula: exact)
+        (transformers' gelu_new / NewGELUActivation)
+    0.5 * x * (1 + tanh(sqrt(2/pi) * x * (1 + 0.044715 * x*x))) -> the same (factored: gelu_fast,
+        BLOOM's bloom_gelu_forward; x*(1 + c*x*x) = x + c*x**3)
+    0.5 * x * (1 + erf(x / sqrt(2)))                            -> F.gelu(x)  (erf GELU, exact)
     x * sigmoid(1.702 * x)                                      -> NPU: torch_npu.npu_fast_gelu(x)
         (quick GELU; only with optimize(dtype=...): npu_fast_gelu's formula differs by SoC,
          reference npu_ecosystem.md §1.8, so it is treated as an approximation)
   NPU, tanh form: torch_npu.npu_gelu(x, approximate="tanh") (native F.gelu on NPU ignores
-  ``approximate``, §1.8).
+  ``approximate``, §1.8); erf form: F.gelu(x) (the erf GELU native F.gelu computes).
 
 Safe when: every intermediate feeds only the next step and the constants match the formula
-(to 1e-6 relative).
-Contract: exact for the tanh form; the quick-GELU rewrite is an approximation, done only when
-the user opted into reduced precision.
-Devices: cpu, cuda (tanh form), npu (both).
+(to 1e-6 relative; products and sums in any order, ``x/2`` for ``0.5*x``).
+Contract: exact for the tanh and erf forms; the quick-GELU rewrite is an approximation, done
+only when the user opted into reduced precision.
+Devices: cpu, cuda (tanh, erf forms), npu (all).
+BLOOM in training computes its GELU in a ``torch.autograd.Function`` (its own backward): that
+site is reported "inside an autograd.Function", not rewritten.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from torch.fx import GraphModule, Node
+import torch
+import torch.nn.functional as F
 
-from rewriter.ir import is_op, replace_node, single_user, static_number, tensor_info
-from rewriter.pass_api import Pass, PassContext, Site, register_pass
+from rewriter.pass_api import PassContext, register_pass
+from rewriter.rules import Match, Rule, RulePass
 
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-
-
-@dataclass
-class GeluMatch:
-    x: Node
-    out: Node
-    kind: str  # "tanh" | "quick"
-    dead: list[Node]
+_C = math.sqrt(2.0 / math.pi)
 
 
-def _close(value: float | None, want: float) -> bool:
-    return value is not None and abs(value - want) <= 1e-6 * abs(want)
+def gelu_tanh_pattern(x):
+    return 0.5 * x * (1.0 + torch.tanh(_C * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
-def _scaled(node: object, factor: float) -> object | None:
-    """``y`` when ``node`` is ``factor * y`` (either order) with one use, else None."""
-    if is_op(node, "mul") and len(node.args) == 2:
-        a, b = node.args
-        if _close(static_number(a), factor):
-            return b
-        if _close(static_number(b), factor):
-            return a
-    if is_op(node, "div") and factor != 0 and _close(static_number(node.args[1]), 1 / factor):
-        return node.args[0]
-    return None
+def gelu_tanh_factored_pattern(x):
+    return 0.5 * x * (1.0 + torch.tanh(_C * x * (1.0 + 0.044715 * x * x)))
 
 
-def _tanh_branch(node: object, x: Node) -> list[Node] | None:
-    """Nodes of ``1 + tanh(c * (x + 0.044715 * x**3))``, or None."""
-    if not is_op(node, "add") or len(node.args) != 2:
-        return None
-    one, t = node.args if static_number(node.args[0]) == 1.0 else (node.args[1], node.args[0])
-    if static_number(one) != 1.0 or not is_op(t, "tanh") or not single_user(t, node):
-        return None
-    inner = t.args[0]
-    s = _scaled(inner, _SQRT_2_OVER_PI)
-    if not is_op(s, "add") or not single_user(inner, t) or not single_user(s, inner):
-        return None
-    a, b = s.args[:2]
-    cube_term = b if a is x else (a if b is x else None)
-    cube = _scaled(cube_term, 0.044715)
-    if cube is None or not single_user(cube_term, s) or not single_user(cube, cube_term):
-        return None
-    if not (is_op(cube, "pow") and cube.args[0] is x and static_number(cube.args[1]) == 3.0):
-        return None
-    return [cube, cube_term, s, inner, t, node]
+def gelu_erf_pattern(x):
+    return 0.5 * x * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0))))
 
 
-def match(node: Node) -> GeluMatch | None:
-    if not is_op(node, "mul") or len(node.args) != 2:
-        return None
-    for half_x, rest in (node.args, tuple(reversed(node.args))):
-        x = _scaled(half_x, 0.5)
-        if isinstance(x, Node) and single_user(half_x, node):
-            chain = _tanh_branch(rest, x)
-            if chain is not None and single_user(rest, node):
-                return GeluMatch(x, node, "tanh", [half_x] + chain)
-    for x, sig in (node.args, tuple(reversed(node.args))):
-        if is_op(sig, "sigmoid") and single_user(sig, node) and isinstance(x, Node):
-            scaled = sig.args[0]
-            if _scaled(scaled, 1.702) is x and single_user(scaled, sig):
-                return GeluMatch(x, node, "quick", [scaled, sig])
-    return None
+def quick_gelu_pattern(x):
+    return x * torch.sigmoid(1.702 * x)
 
 
-class FuseGelu(Pass):
+def _is_tensor(m: Match) -> bool:
+    return m.info("x") is not None
+
+
+def can_fuse_tanh(m: Match, ctx: PassContext) -> str | None:
+    return ctx.backend.cannot_offer("gelu_tanh") or ctx.backend.cannot_take("gelu_tanh", m.info("x").dtype)
+
+
+def can_fuse_quick(m: Match, ctx: PassContext) -> str | None:
+    return ctx.backend.cannot_offer("quick_gelu") or ctx.backend.cannot_take("quick_gelu", m.info("x").dtype)
+
+
+def _tanh(g, m, ctx):
+    return ctx.backend.emit_gelu_tanh(g, m["x"])
+
+
+RULES = (
+    Rule("gelu (tanh)", gelu_tanh_pattern, _tanh, (_is_tensor,), (can_fuse_tanh,)),
+    Rule("gelu (tanh, factored)", gelu_tanh_factored_pattern, _tanh, (_is_tensor,), (can_fuse_tanh,)),
+    Rule("gelu (erf)", gelu_erf_pattern, lambda g, m, ctx: g.call_function(F.gelu, (m["x"],)), (_is_tensor,)),
+    Rule("gelu (quick)", quick_gelu_pattern, lambda g, m, ctx: ctx.backend.emit_quick_gelu(g, m["x"]),
+         (_is_tensor,), (can_fuse_quick,)),
+)
+
+
+class FuseGelu(RulePass):
     name = "fuse_gelu"
     contract = "exact"
     devices = frozenset({"cpu", "cuda", "npu"})
+    version = 2  # the erf and factored tanh forms
+    rules = RULES
 
     def applies_to(self, ctx: PassContext) -> str | None:
         why = super().applies_to(ctx)
         if why is None:
+            # Where neither npu_gelu nor a quick form is offered (an NPU chip or torch_npu the
+            # docs do not list), the pass is not applicable: the erf form alone is left to it.
             tanh = ctx.backend.cannot_offer("gelu_tanh")
             quick = ctx.backend.cannot_offer("quick_gelu") if ctx.dtype is not None else \
                 "quick GELU is an approximation, fused only with optimize(dtype=...)"
@@ -107,32 +94,10 @@ class FuseGelu(Pass):
                 why = f"{tanh}; {quick}"
         return why
 
-    def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
-        sites = []
-        for node in gm.graph.nodes:
-            m = match(node)
-            if m is None:
-                continue
-            if m.kind == "quick" and (ctx.dtype is None or not ctx.backend.offers("quick_gelu")):
-                continue  # an approximation: only with dtype=, and only where a fused form exists
-            kind = "gelu_tanh" if m.kind == "tanh" else "quick_gelu"
-            info = tensor_info(m.x)
-            why = ctx.backend.cannot_offer(kind) or (
-                ctx.backend.cannot_take(kind, info.dtype) if info is not None else None)
-            if why is not None:
-                ctx.decline(f"{self.name} at {node.name}", why)
-                continue
-            sites.append(Site(node, f"{node.name}: gelu ({m.kind})", m))
-        return sites
-
-    def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
-        g = gm.graph
-        for site in sites:
-            m: GeluMatch = site.match
-            with g.inserting_before(m.out):
-                new = (ctx.backend.emit_gelu_tanh(g, m.x) if m.kind == "tanh"
-                       else ctx.backend.emit_quick_gelu(g, m.x))
-            replace_node(m.out, new, self.name, m.dead)
+    def active_rules(self, ctx: PassContext) -> tuple[Rule, ...]:
+        # quick GELU is an approximation: only with dtype=, and only where a fused form exists;
+        # otherwise it is not a site (nothing to decline: it is left as written).
+        return RULES if ctx.dtype is not None and ctx.backend.offers("quick_gelu") else RULES[:-1]
 
 
 register_pass(FuseGelu())

@@ -1,6 +1,6 @@
 """fuse_one_hot: a one-hot matrix multiplied by a weight into a gather (``F.embedding``).
 
-Rewrites (``W`` of shape (n, d) for matmul, (d, n) for linear)::
+A rule table (``rewriter.rules``; ``W`` of shape (n, d) for matmul, (d, n) for linear)::
 
     F.one_hot(idx, n).to(float) @ W           -> F.embedding(idx, W)
     F.linear(F.one_hot(idx, n).float(), W, b) -> F.embedding(idx, W.t()) + b
@@ -17,71 +17,49 @@ Devices: cpu, cuda, npu.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.fx import GraphModule, Node
 
-from rewriter.ir import arg, is_cast, is_op, replace_node, single_user, tensor_info
-from rewriter.pass_api import Pass, PassContext, Site, register_pass
-
-
-@dataclass
-class OneHotMatch:
-    idx: Node
-    weight: Node
-    transposed: bool   # linear: W is (d, n)
-    bias: Node | None
-    out: Node
-    dead: list[Node]
+from rewriter.pass_api import register_pass
+from rewriter.rules import Match, Rule, RulePass
 
 
-def match(node: Node) -> OneHotMatch | None:
-    if is_op(node, "matmul") and len(node.args) == 2:
-        oh, w, transposed, bias = node.args[0], node.args[1], False, None
-    elif is_op(node, "linear"):
-        oh, w, transposed, bias = node.args[0], arg(node, 1, "weight"), True, arg(node, 2, "bias")
-    else:
-        return None
-    dead = []
-    if is_cast(oh) and single_user(oh, node):
-        dead.append(oh)
-        cast, oh = oh, oh.args[0]
-        if not single_user(oh, cast):
-            return None
-    elif not single_user(oh, node):
-        return None
-    if not is_op(oh, "one_hot"):
-        return None
-    n = arg(oh, 1, "num_classes", -1)
-    w_info = tensor_info(w)
-    if not isinstance(n, int) or n < 1 or w_info is None or w_info.ndim != 2:
-        return None
-    if w_info.shape[1 if transposed else 0] != n:
-        return None
-    return OneHotMatch(oh.args[0], w, transposed, bias, node, [oh] + dead)
+def one_hot_matmul_pattern(idx, n, dtype, w):
+    return torch.matmul(F.one_hot(idx, n).to(dtype), w)
 
 
-class FuseOneHot(Pass):
+def one_hot_linear_pattern(idx, n, dtype, w, b):
+    return F.linear(F.one_hot(idx, n).to(dtype), w, b)
+
+
+def _classes_are(axis: int):
+    def has_a_row_per_class(m: Match) -> bool:
+        n, w = m["n"], m.info("w")
+        return isinstance(n, int) and n >= 1 and w is not None and w.ndim == 2 and w.shape[axis] == n
+    return has_a_row_per_class
+
+
+def _gather(g, m: Match, ctx):
+    return g.call_function(F.embedding, (m["idx"], m["w"]))
+
+
+def _gather_transposed(g, m: Match, ctx):
+    new = g.call_function(F.embedding, (m["idx"], g.call_function(torch.t, (m["w"],))))
+    return new if m["b"] is None else g.call_function(operator.add, (new, m["b"]))
+
+
+RULES = (
+    Rule("one_hot @ weight -> embedding", one_hot_matmul_pattern, _gather, (_classes_are(0),)),
+    Rule("one_hot @ weight -> embedding", one_hot_linear_pattern, _gather_transposed, (_classes_are(1),)),
+)
+
+
+class FuseOneHot(RulePass):
     name = "fuse_one_hot"
     contract = "exact"
     devices = frozenset({"cpu", "cuda", "npu"})
-
-    def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
-        return [Site(n, f"{n.name}: one_hot @ weight -> embedding", m)
-                for n in gm.graph.nodes if (m := match(n)) is not None]
-
-    def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
-        g = gm.graph
-        for site in sites:
-            m: OneHotMatch = site.match
-            with g.inserting_before(m.out):
-                table = g.call_function(torch.t, (m.weight,)) if m.transposed else m.weight
-                new = g.call_function(F.embedding, (m.idx, table))
-                if m.bias is not None:
-                    new = g.call_function(operator.add, (new, m.bias))
-            replace_node(m.out, new, self.name, list(reversed(m.dead)))
+    rules = RULES
 
 
 register_pass(FuseOneHot())

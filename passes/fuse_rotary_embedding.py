@@ -1,6 +1,6 @@
 """fuse_rotary_embedding: rotary position embedding into ``torch_npu.npu_rotary_mul`` (NPU only).
 
-Rewrites (LLaMA / GPT-NeoX "half" rotation, ``h = D // 2``)::
+A rule table (``rewriter.rules``; LLaMA / GPT-NeoX "half" rotation, ``h = D // 2``)::
 
     rotate_half(x) = torch.cat((-x[..., h:], x[..., :h]), dim=-1)     # or x.chunk(2, -1)
     x * cos + rotate_half(x) * sin        ->  torch_npu.npu_rotary_mul(x, cos, sin)
@@ -12,29 +12,31 @@ element-wise ops would not save memory traffic, so this pass serves the NPU only
 The backend narrows this to what the op documents (``NpuBackend.cannot_rotary``): 4-D, cos/sin
 of x's dtype in the 11SD/B1SD/BNSD, 1S1D/BS1D/BSND or S11D/SB1D/SBND layouts, B and N < 1000;
 on chips that compile online (Atlas training, 310P) D == 128 only.
-Safe when: the halves, negation and cat feed only this rotation, cos and sin have x's last dim.
+Safe when: the negation and cat feed only this rotation (the halves' slices may have other
+readers: they stay), cos and sin have x's last dim.
 Contract: exact.
 Devices: npu.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import torch
+from torch.fx import Node
 
-from torch.fx import GraphModule, Node
-
-from rewriter.ir import arg, is_op, replace_node, single_user, tensor_info
-from rewriter.pass_api import Pass, PassContext, Site, register_pass
+from rewriter.ir import is_op, tensor_info
+from rewriter.pass_api import PassContext, register_pass
+from rewriter.rules import Match, Rule, RulePass
 
 _MAX_HEAD_DIM = 896
 
 
-@dataclass
-class RotaryMatch:
-    x: Node
-    cos: Node
-    sin: Node
-    out: Node
-    dead: list[Node]
+def rotary_pattern(x, cos, sin, x_lo, x_hi):
+    # rotate_half(x) = cat(-x[..., h:], x[..., :h]); the slices are checked by is_rotary
+    return x * cos + torch.cat((-x_hi, x_lo), -1) * sin
+
+
+def rotary_chunk_pattern(x, cos, sin):
+    c = x.chunk(2, -1)
+    return x * cos + torch.cat((-c[1], c[0]), -1) * sin
 
 
 def _slice_half(node: object, x: Node, first: bool, half: int) -> bool:
@@ -89,55 +91,45 @@ def _cos_sin_fit(x: Node, table: object) -> bool:
     return all(t in (1, s) for t, s in zip(ti.shape, xi.shape)) and ti.shape[-2] == xi.shape[-2]
 
 
-def match(add: Node) -> RotaryMatch | None:
-    if not is_op(add, "add") or len(add.args) != 2:
-        return None
-    for m_cos, m_sin in (add.args, tuple(reversed(add.args))):
-        if not (is_op(m_cos, "mul") and is_op(m_sin, "mul") and single_user(m_cos, add) and single_user(m_sin, add)):
-            continue
-        for rot, sin in (m_sin.args[:2], tuple(reversed(m_sin.args[:2]))):
-            found = _rotate_half_of(rot)
-            if found is None:
-                continue
-            x, nodes = found
-            a, b = m_cos.args[:2]
-            cos = b if a is x else (a if b is x else None)
-            xi = tensor_info(x)
-            if cos is None or xi is None or xi.ndim not in (3, 4) or xi.shape[-1] >= _MAX_HEAD_DIM:
-                continue
-            if _cos_sin_fit(x, cos) and _cos_sin_fit(x, sin):
-                return RotaryMatch(x, cos, sin, add, nodes + [m_sin, m_cos])
-    return None
+def is_rotary(m: Match) -> bool:
+    x, xi = m["x"], m.info("x")
+    if xi is None or xi.ndim not in (3, 4) or xi.shape[-1] % 2 or xi.shape[-1] >= _MAX_HEAD_DIM:
+        return False
+    if "x_lo" in m.values:
+        half = xi.shape[-1] // 2
+        if not (_slice_half(m["x_lo"], x, True, half) and _slice_half(m["x_hi"], x, False, half)):
+            return False
+    return _cos_sin_fit(x, m["cos"]) and _cos_sin_fit(x, m["sin"])
 
 
-class FuseRotaryEmbedding(Pass):
+def can_fuse(m: Match, ctx: PassContext) -> str | None:
+    return ctx.backend.cannot_rotary(m.info("x"), m.info("cos"), m.info("sin"))
+
+
+def _emit(g, m: Match, ctx: PassContext):
+    return ctx.backend.emit_rotary(g, m["x"], m["cos"], m["sin"])
+
+
+def _describe(m: Match) -> str:
+    return f"rotary on {list(m.info('x').shape)}"
+
+
+RULES = (
+    Rule("rotary", rotary_pattern, _emit, (is_rotary,), (can_fuse,), _describe),
+    Rule("rotary", rotary_chunk_pattern, _emit, (is_rotary,), (can_fuse,), _describe),
+)
+
+
+class FuseRotaryEmbedding(RulePass):
     name = "fuse_rotary_embedding"
     contract = "exact"
     devices = frozenset({"npu"})
     fused_kind = "rotary"
+    version = 2  # the chunked rotate_half too
+    rules = RULES
 
-    def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
-        if not ctx.backend.offers("rotary"):
-            return []
-        sites = []
-        for n in gm.graph.nodes:
-            m = match(n)
-            if m is None:
-                continue
-            why = ctx.backend.cannot_rotary(tensor_info(m.x), tensor_info(m.cos), tensor_info(m.sin))
-            if why is not None:
-                ctx.decline(f"{self.name} at {n.name}", why)
-                continue
-            sites.append(Site(n, f"{n.name}: rotary on {list(tensor_info(m.x).shape)}", m))
-        return sites
-
-    def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
-        g = gm.graph
-        for site in sites:
-            m: RotaryMatch = site.match
-            with g.inserting_before(m.out):
-                new = ctx.backend.emit_rotary(g, m.x, m.cos, m.sin)
-            replace_node(m.out, new, self.name, m.dead)
+    def cannot_find(self, ctx: PassContext) -> str | None:
+        return ctx.backend.cannot_offer("rotary")
 
 
 register_pass(FuseRotaryEmbedding())

@@ -1,144 +1,167 @@
 """fuse_swiglu / fuse_geglu: gated activations into torch_npu's fused kernels (NPU only).
 
-Rewrites::
+Rule tables (``rewriter.rules``; ``c = x.chunk(2, -1)`` or ``x.split(D // 2, -1)``)::
 
-    a, b = x.chunk(2, -1);  F.silu(a) * b      -> torch_npu.npu_swiglu(x, -1)
-    F.silu(gate) * up   (two tensors)          -> torch_npu.npu_swiglu(torch.cat([gate, up], -1), -1)
-    a, b = x.chunk(2, -1);  a * F.gelu(b)      -> torch_npu.npu_geglu(x, -1, approximate, False)[0]
+    F.silu(c[0]) * c[1]                           -> torch_npu.npu_swiglu(x, -1)
+    F.silu(F.linear(x, Wg, bg)) * F.linear(x, Wu, bu)
+                                   -> torch_npu.npu_swiglu(F.linear(x, cat([Wg, Wu]), cat([bg, bu])), -1)
+    F.silu(gate) * up   (two tensors)             -> torch_npu.npu_swiglu(torch.cat([gate, up], -1), -1)
+    c[0] * F.gelu(c[1])                           -> torch_npu.npu_geglu(x, -1, approximate, False)[0]
+    F.gelu(F.linear(x, Wg, bg)) * F.linear(x, Wu, bu)
+                                   -> torch_npu.npu_geglu(F.linear(x, cat([Wu, Wg]), cat([bu, bg])), -1, approximate, False)[0]
 
-npu_swiglu activates the first half (reference npu_ecosystem.md §1.6). npu_geglu with
-``activate_left=False`` activates the second half, the reading every version of its docs agrees
-on (§1.7); ``gelu(a) * b`` (first half) is declined: the docs contradict each other on what
-``activate_left=True`` means. ``approximate`` follows the model's ``F.gelu`` (0 = erf, 1 = tanh).
-CPU/CUDA: stock torch has no fused gated activation, so these passes serve the NPU only (with
-separate gate/up projections, ``fuse_qkv_projections`` already merges the two GEMMs there).
-Chips (reference §1.6, §1.7): npu_swiglu is documented for Atlas A2 only; npu_geglu takes no
-bf16 on Atlas training/310P; the pass says so where it does not apply.
-Safe when: the halves and the activation feed only the product.
-Contract: exact (the same formula in one kernel).
+Which half is activated: npu_swiglu the first (reference npu_ecosystem.md §1.6); npu_geglu with
+``activate_left=False`` the second, the one reading all its docs agree on (§1.7: the CANN pages
+contradict each other on ``activate_left=True``), the formula the shim records and
+``tests/test_rule_reach.py`` pins. So the two-projection GeGLU (Gemma, T5's gated-gelu) is merged
+*up* weight first, gate second, and so is the pair ``fuse_qkv_projections`` already merged
+(``gelu(split(linear(x, cat([Wg, Wu])))[0]) * [1]``: its cat is rebuilt up first); any other
+packed ``gelu(c[0]) * c[1]`` is declined (it would need activate_left=True). Merged weights are concatenated in the graph at every call (as
+``fuse_qkv_projections`` does): the model's parameters, their gradients and ``state_dict()``
+stay as they are. ``approximate`` follows the model's ``F.gelu`` (0 = erf, 1 = tanh).
+CPU/CUDA: stock torch has no fused gated activation: NPU only. Chips (§1.6, §1.7): npu_swiglu
+is documented for Atlas A2 only; npu_geglu takes no bf16 on Atlas training/310P.
+Safe when: the halves, projections and activation feed only the product; the projections read
+one input, weights of one shape and dtype, both with or without bias.
+Contract: exact (the same formula in one kernel; the merged GEMM has the same dot products).
 Devices: npu.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from torch.fx import GraphModule, Node
+import torch.nn.functional as F
+from torch.fx import Node
 
-from rewriter.ir import arg, is_op, op_name, replace_node, single_user, tensor_info
-from rewriter.pass_api import Pass, PassContext, Site, register_pass
+from rewriter.ir import hoist_reads, is_parameter_like, tensor_info
+from rewriter.pass_api import PassContext, register_pass
+from rewriter.rules import Match, Rule, RulePass
 
-
-@dataclass
-class GatedMatch:
-    out: Node
-    packed: Node | None          # the tensor whose halves are gate and up
-    halves: tuple[Node, Node]    # (activated, other) when not packed
-    approximate: str
-    dead: list[Node]
+HALVES = {"chunk": lambda x, size: x.chunk(2, -1), "split": lambda x, size: x.split(size, -1)}
+ACTIVATIONS = {"silu": lambda t, approximate: F.silu(t),
+               "gelu": lambda t, approximate: F.gelu(t, approximate=approximate)}
 
 
-def _halves_of(a: object, b: object) -> Node | None:
-    """``x`` when ``a``/``b`` are the first/second half of ``x`` along its last dim."""
-    if not (is_op(a, "getitem") and is_op(b, "getitem") and a.args[0] is b.args[0]):
-        return None
-    if (a.args[1], b.args[1]) != (0, 1):
-        return None
-    parts = a.args[0]
-    src = parts.args[0] if isinstance(parts, Node) and parts.args else None
-    info = tensor_info(src)
-    if info is None or not single_user(a) or not single_user(b) or len(parts.users) != 2:
-        return None
-    last = info.ndim - 1
-    if op_name(parts) == "chunk" and arg(parts, 1, "chunks") == 2 and arg(parts, 2, "dim", 0) % info.ndim == last:
-        return src
-    if op_name(parts) == "split" and arg(parts, 1, "split_size_or_sections") in (info.shape[-1] // 2, [info.shape[-1] // 2] * 2) \
-            and arg(parts, 2, "dim", 0) % info.ndim == last:
-        return src
-    return None
+def _packed_pattern(halves, act, activated: int):
+    def gated_pattern(x, size, approximate):  # act(c[0]) * c[1], or c[0] * act(c[1])
+        c = halves(x, size)
+        return act(c[0], approximate) * c[1] if activated == 0 else c[0] * act(c[1], approximate)
+    return gated_pattern
 
 
-def match_gated(node: Node, activation: str, activated_first: bool) -> GatedMatch | None:
-    if not is_op(node, "mul") or len(node.args) != 2:
-        return None
-    for act, other in (node.args, tuple(reversed(node.args))):
-        if not (is_op(act, activation) and single_user(act, node) and isinstance(other, Node)):
-            continue
-        inner = act.args[0]
-        approximate = act.kwargs.get("approximate", "none") if activation == "gelu" else ""
-        first, second = (inner, other) if activated_first else (other, inner)
-        packed = _halves_of(first, second)
-        if packed is not None:
-            return GatedMatch(node, packed, (inner, other), approximate, [act, first, second, first.args[0]])
-        a, b = tensor_info(inner), tensor_info(other)
-        if a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype:
-            return GatedMatch(node, None, (inner, other), approximate, [act])
-    return None
+def _projections_pattern(act):
+    def gated_projections_pattern(x, w_gate, b_gate, w_up, b_up, approximate):
+        return act(F.linear(x, w_gate, b_gate), approximate) * F.linear(x, w_up, b_up)
+    return gated_projections_pattern
 
 
-class _GatedPass(Pass):
+def merged_projections_pattern(x, w_gate, w_up, b, size, approximate):
+    # what fuse_qkv_projections makes of gate(x), up(x): one linear on cat([Wg, Wu]), split
+    c = F.linear(x, torch.cat([w_gate, w_up], 0), b).split(size, -1)
+    return F.gelu(c[0], approximate=approximate) * c[1]
+
+
+def swiglu_pattern(gate, up):
+    return F.silu(gate) * up
+
+
+def is_halves(m: Match) -> bool:
+    info = m.info("x")
+    half = info.shape[-1] // 2 if info is not None and info.shape[-1] % 2 == 0 else None
+    return half is not None and ("size" not in m.values or m["size"] in (half, [half, half], (half, half)))
+
+
+def is_two_tensors(m: Match) -> bool:
+    a, b = m.info("gate"), m.info("up")
+    return a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype
+
+
+def is_projection_pair(m: Match) -> bool:
+    wg, wu = m.info("w_gate"), m.info("w_up")
+    return (m.info("x") is not None and wg is not None and wu is not None and wg.ndim == 2
+            and wg.shape == wu.shape and wg.dtype == wu.dtype and (m["b_gate"] is None) == (m["b_up"] is None)
+            and all(is_parameter_like(m[k]) for k in ("w_gate", "w_up", "b_gate", "b_up")))
+
+
+def is_merged_pair(m: Match) -> bool:
+    b = m["b"]
+    halves = b is None or (isinstance(b, Node) and b.target is torch.cat and len(b.args[0]) == 2 and len(b.users) == 1)
+    wg, wu = m.info("w_gate"), m.info("w_up")
+    return halves and wg is not None and wu is not None and wg.shape == wu.shape and m.info("x") is not None \
+        and "size" in m.values and m["size"] in (wg.shape[0], [wg.shape[0]] * 2, (wg.shape[0],) * 2)
+
+
+def _reordered_merge(g, m: Match):
+    """The merged projection rebuilt up-half first (activate_left=False activates the second)."""
+    b = m["b"]
+    b = g.call_function(torch.cat, ([b.args[0][1], b.args[0][0]], 0)) if b is not None else None
+    return g.call_function(F.linear, (m["x"], g.call_function(torch.cat, ([m["w_up"], m["w_gate"]], 0)), b))
+
+
+def _can_gate(kind: str):
+    def can_fuse(m: Match, ctx: PassContext) -> str | None:
+        halves = "w_gate" in m.values or "gate" in m.values  # the kernel's input: the two halves
+        info = tensor_info(m.root) if halves else m.info("x")
+        shape = info.shape[:-1] + (2 * info.shape[-1],) if halves else info.shape
+        return ctx.backend.cannot_gated(kind, shape, info.dtype)
+    return can_fuse
+
+
+def _merged_projection(first: str, second: str):
+    """``F.linear(x, cat([W_first, W_second]), cat(biases))``: one GEMM, halves in that order."""
+    def packed(g, m: Match):
+        weights, biases = [m[f"w_{first}"], m[f"w_{second}"]], [m[f"b_{first}"], m[f"b_{second}"]]
+        hoist_reads(m.root, weights + biases)
+        b = g.call_function(torch.cat, (biases, 0)) if biases[0] is not None else None
+        return g.call_function(F.linear, (m["x"], g.call_function(torch.cat, (weights, 0)), b))
+    return packed
+
+
+def _swiglu(packed_of):
+    return lambda g, m, ctx: ctx.backend.emit_swiglu(g, packed_of(g, m), -1)
+
+
+def _geglu(packed_of):
+    return lambda g, m, ctx: ctx.backend.emit_geglu(g, packed_of(g, m), -1, m["approximate"])
+
+
+_packed = lambda g, m: m["x"]  # noqa: E731
+_concatenated = lambda g, m: g.call_function(torch.cat, ([m["gate"], m["up"]], -1))  # noqa: E731
+
+SWIGLU, GEGLU = _can_gate("swiglu"), _can_gate("geglu")
+SWIGLU_RULES = (
+    *(Rule("swiglu (packed)", _packed_pattern(h, ACTIVATIONS["silu"], 0), _swiglu(_packed), (is_halves,), (SWIGLU,))
+      for h in HALVES.values()),
+    Rule("swiglu (two projections, merged)", _projections_pattern(ACTIVATIONS["silu"]),
+         _swiglu(_merged_projection("gate", "up")), (is_projection_pair,), (SWIGLU,)),
+    Rule("swiglu (two tensors, concatenated)", swiglu_pattern, _swiglu(_concatenated), (is_two_tensors,), (SWIGLU,)),
+)
+GEGLU_RULES = (
+    *(Rule("geglu (packed)", _packed_pattern(h, ACTIVATIONS["gelu"], 1), _geglu(_packed), (is_halves,), (GEGLU,))
+      for h in HALVES.values()),
+    # the gate goes second: activate_left=False activates the second half (§1.7)
+    Rule("geglu (two projections, merged)", _projections_pattern(ACTIVATIONS["gelu"]),
+         _geglu(_merged_projection("up", "gate")), (is_projection_pair,), (GEGLU,)),
+    Rule("geglu (merged projections, reordered)", merged_projections_pattern, _geglu(_reordered_merge),
+         (is_merged_pair,), (GEGLU,)),
+)
+
+
+class FuseSwiglu(RulePass):
+    name = "fuse_swiglu"
     devices = frozenset({"npu"})
     contract = "exact"
-    activation = ""
-    kind = ""
-    activated_first = True
-
-    def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
-        if not ctx.backend.offers(self.kind):
-            return []
-        sites = []
-        for node in gm.graph.nodes:
-            m = match_gated(node, self.activation, self.activated_first)
-            if m is None or (self.kind == "geglu" and m.packed is None):
-                continue
-            if m.packed is not None:
-                info = tensor_info(m.packed)
-                shape, dtype = (info.shape, info.dtype) if info is not None else ((), None)
-            else:  # the two halves are concatenated on the last dim
-                info = tensor_info(m.halves[0])
-                shape, dtype = info.shape[:-1] + (2 * info.shape[-1],), info.dtype
-            why = ctx.backend.cannot_gated(self.kind, shape, dtype) if dtype is not None else \
-                "the packed input has no shape information"
-            if why is not None:
-                ctx.decline(f"{self.name} at {node.name}", why)
-                continue
-            form = "packed" if m.packed is not None else "two tensors, concatenated"
-            sites.append(Site(node, f"{node.name}: {self.kind} ({form})", m))
-        return sites
-
-    def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
-        g = gm.graph
-        for site in sites:
-            m: GatedMatch = site.match
-            with g.inserting_before(m.out):
-                packed = m.packed if m.packed is not None else \
-                    g.call_function(torch.cat, ([m.halves[0], m.halves[1]], -1))
-                new = self.emit(g, ctx, packed, m)
-            replace_node(m.out, new, self.name, list(reversed(m.dead)))
-
-    def emit(self, g, ctx: PassContext, packed: Node, m: GatedMatch) -> Node:
-        raise NotImplementedError
-
-
-class FuseSwiglu(_GatedPass):
-    name = "fuse_swiglu"
-    activation = "silu"
-    kind = "swiglu"
     fused_kind = "swiglu"
+    version = 2  # two projections merged
+    rules = SWIGLU_RULES
 
-    def emit(self, g, ctx, packed, m):
-        return ctx.backend.emit_swiglu(g, packed, -1)
+    def cannot_find(self, ctx: PassContext) -> str | None:
+        return ctx.backend.cannot_offer(self.fused_kind)
 
 
-class FuseGeglu(_GatedPass):
+class FuseGeglu(FuseSwiglu):
     name = "fuse_geglu"
-    activation = "gelu"
-    kind = "geglu"
     fused_kind = "geglu"
-    activated_first = False  # a * gelu(b): the second half is activated
-
-    def emit(self, g, ctx, packed, m):
-        return ctx.backend.emit_geglu(g, packed, -1, m.approximate)
+    rules = GEGLU_RULES
 
 
 register_pass(FuseSwiglu())
