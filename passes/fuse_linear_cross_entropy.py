@@ -33,7 +33,9 @@ lm_head output). Holding them is what this pass exists to avoid, so:
   With ``objective="time"`` (the default) or in inference: declined, because a caller may read
   them (inference: the logits are usually the point).
 
-Declined too: a class-weighted loss, ``reduction="none"``, logits whose flattening is not a
+Declined too: logits that reach the loss from another graph (a Dynamo graph break between the
+lm_head and the loss: GPT2LMHeadModel's ``loss_function`` logs a warning when ``loss_type`` is
+None, which Dynamo cannot trace; ``model.loss_type = "ForCausalLM"`` removes it), a class-weighted loss, ``reduction="none"``, logits whose flattening is not a
 plain ``view(-1, V)``/``reshape`` of the linear's output, unknown shapes.
 Contract: exact. Devices: cpu, cuda, npu.
 """
@@ -242,6 +244,10 @@ def match(ce: Node) -> LceMatch | str | None:
         tanh = node.args[0] if is_op(node.args[0], "tanh") else node.args[1]
         chain += [node, tanh, tanh.args[0]]
         node, softcap = capped
+    if isinstance(node, Node) and node.op == "placeholder":
+        return ("the logits come from another captured graph (a Dynamo graph break between "
+                "lm_head and the loss; GPT2LMHeadModel: transformers' loss_function warns when "
+                "model.loss_type is None, set model.loss_type = 'ForCausalLM')")
     if not is_op(node, "linear"):
         return None
     chain.append(node)
@@ -318,8 +324,6 @@ class FuseLinearCrossEntropy(Pass):
             for n in reversed(m.chain):
                 if not n.users:
                     g.erase_node(n)
-        g.lint()
-        gm.recompile()
 
 
 register_pass(FuseLinearCrossEntropy())

@@ -170,6 +170,13 @@ class Run:
             optimizer = self.fused_opt.switch(self.job.optimizer)  # after the snapshot: stays
             self.report.notes.append(f"optimizer: {self.fused_opt.description}")
         loss_scale = self._loss_scaling(optimizer)
+        dropped = [d.pass_name for d in self.report.decisions
+                   if d.kept and "outputs dropped (None)" in d.verification]
+        if dropped and self.report.final.get("kept"):
+            self.report.notes.append(
+                f"objective='memory': {', '.join(dropped)} returns None for outputs the loss alone "
+                "needed (a causal LM's logits): the loss and gradients are unchanged; use "
+                "objective='time' where the caller reads them")
         self.report.optimize_seconds = time.perf_counter() - self.started
         log.info("rewriter: done in %.1f s: %s", self.report.optimize_seconds,
                  self.report.final.get("reason", ""))
