@@ -249,3 +249,41 @@ def decide_memory(m: Any, before: int | None, after: int | None, slowdown: float
 def mb(nbytes: int | None) -> float | None:
     """Bytes to MB (2**20) for reports, None kept."""
     return None if nbytes is None else round(nbytes / 2**20, 3)
+
+
+def profile_memory(model: torch.nn.Module, example_inputs: Any, *, training: bool,
+                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                   optimizer: torch.optim.Optimizer | None = None,
+                   out_dir: str | None = None) -> MemoryTimeline | None:
+    """The memory view of one step of ``model`` (the gate's step: forward, or forward, backward
+    and ``optimizer.step()``), after one warm-up step; model, optimizer and RNG restored.
+    With ``out_dir``: ``memory.json``, ``memory.md`` and, where matplotlib imports,
+    ``memory.png``. None where the device's profiler gives no memory events (NPU).
+
+        view = profile_memory(model, {"input_ids": ids, "labels": ids}, training=True,
+                              optimizer=opt, out_dir="prof/")
+        print(view.to_markdown())
+    """
+    import json
+    import os
+
+    from rewriter.backends import get_backend
+    from rewriter.job import Job, model_device, split_inputs
+    from rewriter.state import preserved_state
+
+    args, kwargs = split_inputs(example_inputs)
+    backend = get_backend(model_device(model))
+    job = Job(model, args, kwargs, backend, training, optimizer, loss_fn)
+    with preserved_state(model, optimizer, backend.rng_states()) as snapshot:
+        step = job.step(model)
+        step()
+        snapshot.restore()
+        view = memory_timeline(step, backend)
+    if view is not None and out_dir is not None:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "memory.json"), "w") as f:
+            json.dump(view.to_dict(), f, indent=2)
+        with open(os.path.join(out_dir, "memory.md"), "w") as f:
+            f.write(view.to_markdown() + "\n")
+        view.save_chart(os.path.join(out_dir, "memory.png"))
+    return view

@@ -149,3 +149,19 @@ def test_memory_timeline_finds_the_peak_and_the_allocators():
     assert "peak 8.00 MB" in t.to_markdown()
     again = MemoryTimeline(**{**t.__dict__})
     assert again.to_dict() == t.to_dict()
+
+
+def test_report_memory_view_before_and_after(mlp, tmp_path):
+    model, x = mlp
+    fast = rewriter.optimize(model.eval(), (x,), passes=[StepRelu("m")],
+                             clock=ControlledClock(peaks={"m": 0.5}), gate=QUICK, profile=True,
+                             progress=False, knowledge_base=False, time_budget=None,
+                             objective="memory")
+    view = fast.report.memory
+    assert set(view) == {"before", "after"} and view["before"]["peak_mb"] > 0
+    md = fast.report.to_markdown()
+    assert "### Memory over the step, before" in md and "### Memory over the step, after" in md
+    fast.report.save(tmp_path)
+    import json
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["objective"] == "memory" and saved["memory"]["after"]["samples"]
