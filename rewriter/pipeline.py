@@ -353,7 +353,8 @@ class Run:
         return Decision(p.name, bool(kept_sigs), status, reason, speedup=lead.get("speedup"),
                         noise=lead.get("noise"), max_abs_error=worst_err,
                         sites=descriptions, measurement=lead.get("measurement"),
-                        verification=lead.get("verification", ""), scope="site", regions=rows)
+                        verification=lead.get("verification", ""), scope="site", regions=rows,
+                        objective="time")  # regions are decided on time under either objective
 
     def _precision(self) -> str | None:
         """The dtype a kept (or speculatively applied) precision pass runs everything in
