@@ -165,3 +165,57 @@ def test_report_memory_view_before_and_after(mlp, tmp_path):
     import json
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["objective"] == "memory" and saved["memory"]["after"]["samples"]
+
+
+class FakeAllocator:
+    """torch.cuda / torch.npu's allocator statistics, as a device with 10 MB live before the step."""
+
+    def __init__(self):
+        self.live, self.peak = 10 * 2**20, 10 * 2**20
+
+    def memory_allocated(self):
+        return self.live
+
+    def max_memory_allocated(self):
+        return self.peak
+
+    def reset_peak_memory_stats(self):
+        self.peak = self.live
+
+    def allocate(self, nbytes):
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+
+def test_device_peak_reads_the_allocator_statistics(monkeypatch):
+    from rewriter import memory
+    fake = FakeAllocator()
+    monkeypatch.setattr(memory, "_allocator", lambda device_type: fake)
+
+    class Npu:
+        device_type = "npu"
+        synced = 0
+
+        def synchronize(self):
+            self.synced += 1
+
+    def step():
+        fake.allocate(6 * 2**20)
+        fake.allocate(-4 * 2**20)
+
+    backend = Npu()
+    assert peak_bytes(step, backend) == 6 * 2**20  # above the 10 MB live at the start
+    assert backend.synced == 2
+
+
+def test_a_device_without_statistics_tells_nothing(monkeypatch):
+    from rewriter import memory
+    monkeypatch.setattr(memory, "_allocator", lambda device_type: None)
+
+    class Npu:
+        device_type = "npu"
+
+        def synchronize(self):
+            pass
+
+    assert peak_bytes(lambda: None, Npu()) is None
