@@ -168,7 +168,8 @@ def _memory_lines(report: "Report") -> list[str]:
     """Per decision: peak memory without -> with the rewrite and the objective that decided;
     the step before/after: live memory over the step, its peak and the top allocators."""
     from rewriter.memory import MemoryTimeline
-    rows = [d for d in report.decisions if d.peak_mb_before is not None or d.objective == "memory"]
+    rows = [d for d in report.decisions if d.peak_mb_before is not None
+            or (report.objective != "time" and d.objective is not None)]
     lines: list[str] = []
     if rows or report.memory or report.objective != "time":
         lines += ["", f"## Memory (objective: {report.objective})", ""]
