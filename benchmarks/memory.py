@@ -1,7 +1,8 @@
 """Memory as an objective: a LLaMA-style causal LM with a 32k vocabulary, 2 x 1024 tokens,
 training, eager against ``optimize(objective="memory")``: peak memory and step time side by side.
 
-    python -m benchmarks.memory --out benchmarks            # the real figure (a few minutes, quiet machine)
+    python -m benchmarks.memory --out benchmarks            # the real figure (several minutes, quiet machine)
+    python -m benchmarks.memory --passes fuse_linear_cross_entropy --out /tmp/mem   # that pass alone
     python -m benchmarks.memory --tiny --out /tmp/mem       # tiny sizes: a smoke test (seconds)
 
 Writes ``MEMORY.md`` (machine, method, the table, the decisions) and ``memory.json`` (every
@@ -49,14 +50,18 @@ def build(sizes: dict) -> tuple[torch.nn.Module, dict]:
     return model, {"input_ids": ids, "labels": ids}
 
 
-def run(tiny: bool, verbose: bool = False) -> dict:
+def run(tiny: bool, verbose: bool = False, passes: list[str] | None = None,
+        time_budget: float | None = None) -> dict:
     sizes = TINY if tiny else FULL
     model, inputs = build(sizes)
     eager_model = copy.deepcopy(model)
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-4, foreach=False)
     eager = make_step(eager_model, inputs, optimizer=eager_opt)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-    options: dict[str, Any] = dict(optimizer=opt, objective="memory", progress=verbose)
+    # time_budget None by default: at 2 x 1024 tokens a step takes seconds, and the default
+    # 60 s budget's reserve for the step check (12.5 steps) would leave nothing to measure
+    options: dict[str, Any] = dict(optimizer=opt, objective="memory", progress=verbose,
+                                   passes=passes, time_budget=time_budget)
     if tiny:
         options.update(gate=QUICK_GATE, profile=False)
     started = time.perf_counter()
@@ -114,9 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for MEMORY.md and memory.json")
     p.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test")
+    p.add_argument("--passes", help="comma-separated passes for optimize() (default: all)")
+    p.add_argument("--time-budget", type=float, help="optimize()'s time_budget (default: none)")
     p.add_argument("-v", "--verbose", action="store_true", help="optimize()'s progress lines")
     args = p.parse_args(argv)
-    result = run(args.tiny, args.verbose)
+    passes = [n.strip() for n in args.passes.split(",")] if args.passes else None
+    result = run(args.tiny, args.verbose, passes, args.time_budget)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "memory.json"), "w") as f:
         json.dump(result, f, indent=2, default=str)

@@ -10,7 +10,9 @@ one run of the model (rewriter.record), verified and timed on their own (rewrite
 and identical sites are measured once, or not at all when the knowledge base already knows
 the signature. A pass of scope "step" and the fused optimizer are measured on the whole step
 (the optimizer on its own step). At the end the composed model is verified once and timed
-once against the original (rewriter.confirm). Everything happens inside
+once against the original (rewriter.confirm). A decision on the whole step also measures both
+variants' peak memory once (rewriter.memory); with ``objective="memory"`` it keeps a rewrite
+that lowers the peak within ``memory_slowdown`` (region decisions stay on time). Everything happens inside
 :func:`rewriter.state.preserved_state`, so the user's model, optimizer and RNG come out as
 they went in, also when a pass raises or the user interrupts.
 """
@@ -170,9 +172,11 @@ class Run:
             optimizer = self.fused_opt.switch(self.job.optimizer)  # after the snapshot: stays
             self.report.notes.append(f"optimizer: {self.fused_opt.description}")
         loss_scale = self._loss_scaling(optimizer)
-        dropped = [d.pass_name for d in self.report.decisions
-                   if d.kept and "outputs dropped (None)" in d.verification]
-        if dropped and self.report.final.get("kept"):
+        kept = {kp.name for kp in self.kept if kp.pass_.drops_outputs}
+        dropped = [d.pass_name for d in self.report.decisions if d.kept and d.pass_name in kept
+                   and ("outputs dropped (None)" in d.verification
+                        or any("None" in site for site in d.sites))]
+        if dropped:
             self.report.notes.append(
                 f"objective='memory': {', '.join(dropped)} returns None for outputs the loss alone "
                 "needed (a causal LM's logits): the loss and gradients are unchanged; use "
