@@ -30,7 +30,7 @@ QUICK_GATE = GateSettings(warmup=1, warmup_seconds=0.0, max_warmup=1, min_pairs=
                           budget_seconds=0.5, outlier_factor=float("inf"))
 
 MEMORY_METHOD = ("peak of the bytes allocated during one step above those live when it began "
-                 "(torch.profiler memory events, via rewriter.profiling.profile_run): "
+                 "(rewriter.memory.peak_bytes: torch.profiler memory events on CPU, allocator statistics on CUDA/NPU): "
                  "activations, gradients and workspace; not the weights or optimizer state")
 
 
@@ -56,10 +56,13 @@ def spread_ms(times: list[float]) -> float | None:
 
 
 def peak_memory_mb(step: Callable[[], Any], device: str = "cpu") -> float | None:
-    """Peak MB allocated during one profiled step (after one unprofiled warm-up step)."""
-    from rewriter.profiling import ProfileSettings, profile_run
-    settings = ProfileSettings(wait=0, warmup=1, active=1, record_shapes=False, profile_memory=True)
-    return profile_run(step, device, settings=settings, label="benchmark memory").peak_memory_mb
+    """Peak MB allocated during one step (after one unmeasured warm-up step), as optimize()'s
+    memory objective measures it (rewriter.memory.peak_bytes: allocator statistics on
+    CUDA/NPU, profiler memory events on CPU)."""
+    from rewriter.backends import get_backend
+    from rewriter.memory import mb, peak_bytes
+    step()
+    return mb(peak_bytes(step, get_backend(device)))
 
 
 def output_tensor(out: Any) -> torch.Tensor:

@@ -19,6 +19,7 @@ PASS_MODULES = (
     "fuse_gelu",
     "fuse_swiglu",
     "fuse_rotary_embedding",
+    "fuse_linear_cross_entropy",
     "fuse_one_hot",
     "fuse_linear",
     "fuse_confusion_transpose",

@@ -16,6 +16,7 @@ from rewriter.gate import Clock, GateSettings
 from rewriter.job import Job, model_device, split_inputs
 from rewriter.pass_api import Pass, PassContext, resolve_passes
 from rewriter.knowledge import KnowledgeBase
+from rewriter.memory import check_objective
 from rewriter.pipeline import DEFAULT_TIME_BUDGET, Outcome, Settings, run_pipeline
 from rewriter.report import Report
 from rewriter.wrapper import OptimizedModel
@@ -35,6 +36,8 @@ def optimize(
     exclude: str | Sequence[str] = (),
     device: str | torch.device | Backend | None = None,
     min_speedup: float = 1.05,
+    objective: str = "time",
+    memory_slowdown: float = 0.03,
     plan: str | dict | None = None,
     cache_dir: str | None = None,
     knowledge_base: str | os.PathLike | bool | None = None,
@@ -74,6 +77,16 @@ def optimize(
         device: "cpu", "cuda", "npu" or a Backend; default: where the model's parameters are.
         min_speedup: the margin: a rewrite is kept when its region (or, for passes without a
             local region, the whole step) is at least this much faster and clear of the noise.
+        objective: "time" (default): keep what is faster. "memory": also keep a rewrite that
+            lowers the step's peak memory (bytes allocated during one step above those live
+            when it began, by at least 1%) while the step stays at most ``memory_slowdown``
+            slower; a faster rewrite that raises the peak is not kept. Decided on the whole
+            step for step-scope passes; region passes are decided on time. In training this
+            lets ``fuse_linear_cross_entropy`` set the output's ``logits`` to None (the loss and
+            gradients are unchanged; see passes/README.md). The report says which objective
+            decided each rewrite.
+        memory_slowdown: the slowdown ``objective="memory"`` accepts for a memory saving
+            (0.03: up to 3% slower), in [0, 1).
         plan: a plan (path or dict, from ``report.save``) to replay without measuring.
         cache_dir: a decision cache: a plan made for the same graphs, input shapes, device,
             versions and passes is replayed from here instead of measuring again.
@@ -111,6 +124,7 @@ def optimize(
         raise ValueError(f"dtype must be None, torch.bfloat16 or torch.float16, got {dtype!r}")
     if not (isinstance(min_speedup, (int, float)) and min_speedup >= 1.0):
         raise ValueError(f"min_speedup must be a number >= 1.0, got {min_speedup!r}")
+    check_objective(objective, memory_slowdown)
     if front_end not in ("auto", "fx", "dynamo"):
         raise ValueError(f"front_end must be 'auto', 'fx' or 'dynamo', got {front_end!r}")
     if time_budget is not None and not (isinstance(time_budget, (int, float)) and time_budget > 0):
@@ -137,7 +151,8 @@ def optimize(
                         gate=gate or GateSettings(), clock=clock, profile=profile, plan=plan,
                         replace_optimizer=example_inputs is not None, cache_dir=cache_dir,
                         time_budget=float(time_budget) if time_budget is not None else None,
-                        knowledge_base=KnowledgeBase.at(knowledge_base), compile=compile)
+                        knowledge_base=KnowledgeBase.at(knowledge_base), compile=compile,
+                        objective=objective, memory_slowdown=float(memory_slowdown))
 
     def run(args: tuple, kwargs: dict) -> Outcome:
         _check_input_devices(model, args, kwargs)

@@ -3,10 +3,12 @@
     rewriter demo [--out DIR]        optimize the built-in example and print the report
     rewriter optimize SPEC --out DIR [--train] [--dtype bf16|fp16] [--plan PLAN]
                      [--cache-dir DIR] [--loss SPEC] [--input SHAPE ...] [--device DEV]
-                     [--bind-cores] [--aoe DIR]
+                     [--bind-cores] [--aoe DIR] [--objective time|memory] [--memory-slowdown S]
     rewriter profile SPEC --out DIR [--train] [--steps N] [--peaks auto|none|DEVICE|FILE]
                                      profile one model's step: operator table, roofline,
-                                     model lines, shape outliers, advisor
+                                     model lines, shape outliers, advisor, and the memory
+                                     view (peak and when, top allocators, live memory chart:
+                                     memory.md/json, memory.png with matplotlib)
 
 SPEC is ``package.module:factory`` or ``path/to/file.py:factory``; the factory returns the
 model, or ``(model, example_inputs)`` with a tuple of args or a dict of kwargs. Only that
@@ -190,6 +192,7 @@ def _optimize(args: argparse.Namespace) -> int:
         exclude=_names(args.exclude) or (), device=args.device, min_speedup=args.min_speedup,
         plan=args.plan, cache_dir=args.cache_dir, front_end=args.front_end,
         compile=_COMPILE.get(args.compile, args.compile),
+        objective=args.objective, memory_slowdown=args.memory_slowdown,
         profile=False,  # profiled below, once per variant, with traces; its tables fill the report
         progress=True, gate=_gate_settings(args), clock=_make_clock())
     fast, fast_opt = result if job.optimizer is not None else (result, None)
@@ -270,6 +273,11 @@ def _profile_cmd(args: argparse.Namespace) -> int:
                            optimizer=job.optimizer, steps=args.steps, out_dir=out,
                            top_k=args.top_k, settings=ProfileSettings(wait=0, warmup=1), peaks=peaks)
     print(result.to_markdown(top_k=args.top_k))
+    from rewriter.memory import profile_memory
+    view = profile_memory(job.model, job.inputs, training=args.train, loss_fn=job.loss_fn,
+                          optimizer=job.optimizer, out_dir=out)
+    print("\n" + (view.to_markdown() if view is not None else
+                  "no memory view: this device's profiler gives no memory events"))
     print(f"wrote to {out}: {', '.join(_grouped(_files_under(out, since=started_at)))}")
     return 0
 
@@ -446,6 +454,12 @@ def _parser() -> argparse.ArgumentParser:
                           "and NPU, not CPU; the default), on, off, or one executor")
     opt.add_argument("--min-speedup", type=float, default=1.03, metavar="RATIO",
                      help="keep a rewrite only at least this much faster (default 1.03)")
+    opt.add_argument("--objective", choices=("time", "memory"), default="time",
+                     help="time (default): keep what is faster; memory: also keep what lowers "
+                          "the step's peak memory within --memory-slowdown")
+    opt.add_argument("--memory-slowdown", type=float, default=0.03, metavar="SHARE",
+                     help="with --objective memory: the slowdown accepted for a memory saving "
+                          "(default 0.03)")
     opt.add_argument("--budget", type=float, metavar="SECONDS",
                      help="measuring time per comparison (default 4)")
     opt.add_argument("--no-traces", action="store_true", help="skip profiling the eager and "

@@ -112,7 +112,10 @@ def _confirm(self: Confirmation) -> bool:
 def _slower(m: Measurement, r: "Run") -> bool:
     """Measurably slower: clear of the noise, and by more than the regression margin."""
     g = r.settings.gate
-    return (m.pairs >= 2 and not m.busy and m.speedup < g.regression
+    # objective="memory" accepted rewrites up to memory_slowdown slower: only beyond that hurts
+    floor = g.regression if r.settings.objective == "time" else \
+        min(g.regression, 1.0 / (1.0 + r.settings.memory_slowdown))
+    return (m.pairs >= 2 and not m.busy and m.speedup < floor
             and m.speedup + g.noise_widths * m.noise < 1.0)
 
 

@@ -53,6 +53,7 @@ class PassContext:
     training: bool
     dtype: torch.dtype | None = None
     region: bool = False  # finding in a standalone region graph (its inputs may be half already)
+    objective: str = "time"  # optimize(objective=): "memory" lets a pass trade returned values
     # Why matched sites were declined (a device limit, a mask it cannot take), newest last:
     # ``decline()`` appends; whoever reports a pass that found no site reads and clears it.
     declined: list[str] = field(default_factory=list, compare=False, repr=False)
@@ -80,6 +81,9 @@ class Pass:
     # The fused replacement this pass asks the backend for ("rms_norm", "attention", ...), if
     # any: where the backend cannot emit it here (chip, torch_npu version), the pass does not apply.
     fused_kind: ClassVar[str | None] = None
+    # May set an output the caller could read to None (fuse_linear_cross_entropy: the returned
+    # logits), only under objective="memory"; verification then skips outputs that became None.
+    drops_outputs: ClassVar[bool] = False
 
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
         raise NotImplementedError(f"{type(self).__name__}.find")

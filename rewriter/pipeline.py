@@ -10,7 +10,9 @@ one run of the model (rewriter.record), verified and timed on their own (rewrite
 and identical sites are measured once, or not at all when the knowledge base already knows
 the signature. A pass of scope "step" and the fused optimizer are measured on the whole step
 (the optimizer on its own step). At the end the composed model is verified once and timed
-once against the original (rewriter.confirm). Everything happens inside
+once against the original (rewriter.confirm). A decision on the whole step also measures both
+variants' peak memory once (rewriter.memory); with ``objective="memory"`` it keeps a rewrite
+that lowers the peak within ``memory_slowdown`` (region decisions stay on time). Everything happens inside
 :func:`rewriter.state.preserved_state`, so the user's model, optimizer and RNG come out as
 they went in, also when a pass raises or the user interrupts.
 """
@@ -27,14 +29,14 @@ from typing import Any, Iterator
 
 import torch
 
-from rewriter import amp, optimizers
+from rewriter import amp, memory, optimizers
 from rewriter import plan as plans
 from rewriter.advisor import advise
 from rewriter.compile_gate import CompileGate
 from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot, capture
 from rewriter.confirm import Confirmation, KeptUnit
 from rewriter.errors import CaptureError, PlanError
-from rewriter.gate import Clock, GateSettings, Step, decide, device_clock, measure, verdict
+from rewriter.gate import Clock, GateSettings, Step, decide, device_clock, figure, measure, verdict
 from rewriter.ir import structure_signature
 from rewriter.job import VERIFY_SEED, Job, switched
 from rewriter.kept import KeptPass, apply_sites, build, mode_of, overlay_for
@@ -73,6 +75,8 @@ class Settings:
     # the graph compiler as a gated candidate (rewriter.compile_gate): "auto", True, False,
     # an executor name or a torch.compile backend callable
     compile: Any = False
+    objective: str = "time"  # "memory": keep what lowers peak memory within memory_slowdown
+    memory_slowdown: float = 0.03
 
 
 @dataclass
@@ -105,9 +109,16 @@ class Run:
     def __init__(self, job: Job, passes: list[Pass], settings: Settings) -> None:
         self.job, self.passes, self.settings = job, passes, settings
         self.report = Report(model=type(job.model).__name__, device=job.backend.name, mode=job.mode,
-                             dtype=str(job.dtype).replace("torch.", "") if job.dtype else None)
+                             dtype=str(job.dtype).replace("torch.", "") if job.dtype else None,
+                             objective=settings.objective)
         self.clock = settings.clock or device_clock(job.backend)
-        self.ctx = PassContext(job.backend, job.training, job.dtype)
+        self.ctx = PassContext(job.backend, job.training, job.dtype, objective=settings.objective)
+        # peak bytes of one run of a step: a controlled clock injects them in tests
+        self.peak_of = getattr(self.clock, "peak_bytes", None) or (
+            lambda step: memory.peak_bytes(step.run, job.backend))
+        # outputs a drops_outputs pass set to None are not compared (objective="memory" only)
+        self.may_drop_outputs = settings.objective == "memory" and any(
+            p.drops_outputs for p in passes)
         self.kept: list[KeptPass] = []
         self.units: list[KeptUnit] = []  # each kept decision, for the confirmation's ablation
         self.fused_opt: optimizers.OptimizerCandidate | None = None
@@ -173,6 +184,15 @@ class Run:
             optimizer = self.fused_opt.switch(self.job.optimizer)  # after the snapshot: stays
             self.report.notes.append(f"optimizer: {self.fused_opt.description}")
         loss_scale = self._loss_scaling(optimizer)
+        kept = {kp.name for kp in self.kept if kp.pass_.drops_outputs}
+        dropped = [d.pass_name for d in self.report.decisions if d.kept and d.pass_name in kept
+                   and ("outputs dropped (None)" in d.verification
+                        or any("None" in site for site in d.sites))]
+        if dropped:
+            self.report.notes.append(
+                f"objective='memory': {', '.join(dropped)} returns None for outputs the loss alone "
+                "needed (a causal LM's logits): the loss and gradients are unchanged; use "
+                "objective='time' where the caller reads them")
         self.report.optimize_seconds = time.perf_counter() - self.started
         log.info("rewriter: done in %.1f s: %s", self.report.optimize_seconds,
                  self.report.final.get("reason", ""))
@@ -349,7 +369,8 @@ class Run:
         return Decision(p.name, bool(kept_sigs), status, reason, speedup=lead.get("speedup"),
                         noise=lead.get("noise"), max_abs_error=worst_err,
                         sites=descriptions, measurement=lead.get("measurement"),
-                        verification=lead.get("verification", ""), scope="site", regions=rows)
+                        verification=lead.get("verification", ""), scope="site", regions=rows,
+                        objective="time")  # regions are decided on time under either objective
 
     def _precision(self) -> str | None:
         """The dtype a kept (or speculatively applied) precision pass runs everything in
@@ -506,6 +527,9 @@ class Run:
                         clock=self.clock, settings=self.settings.gate,
                         min_speedup=self.settings.min_speedup, deadline=self.deadline)
         keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
+        peaks = self._peaks(self._variant_step(False, base, "kept"),
+                            self._variant_step(True, base + (p.name,), "candidate"), m)
+        keep, reason, decided_by = self._by_objective(m, keep, reason, peaks)
         if keep:
             kp = KeptPass(p)
             self.kept.append(kp)
@@ -523,7 +547,45 @@ class Run:
         return Decision(p.name, keep, "kept" if keep else "rejected",
                         (f"{note}; " if note else "whole step: ") + reason, speedup=m.speedup,
                         noise=m.noise, max_abs_error=err, sites=descriptions,
-                        measurement=m.to_dict(), verification=detail, scope="step")
+                        measurement=m.to_dict(), verification=detail, scope="step",
+                        objective=decided_by, peak_mb_before=memory.mb(peaks[0]),
+                        peak_mb_after=memory.mb(peaks[1]))
+
+    # --- memory --------------------------------------------------------------------------------
+    def _peaks(self, before: Step, after: Step, m: Any) -> tuple[int | None, int | None]:
+        """Peak bytes of one run of each variant, after their timed runs (so both are warm);
+        not measured for a comparison that ran out of time or found the machine busy."""
+        if m.out_of_time or m.busy:
+            return None, None
+        try:
+            with self._phase("memory"):
+                peaks = self.peak_of(before), self.peak_of(after)
+        except Exception as e:  # a profiler problem must not cost the decision
+            log.info("rewriter: peak memory not measured: %s: %s", type(e).__name__, e)
+            peaks = None, None
+        finally:
+            self.snapshot.restore()
+        return peaks
+
+    def _by_objective(self, m: Any, keep: bool, reason: str,
+                      peaks: tuple[int | None, int | None]) -> tuple[bool, str, str]:
+        """(keep, reason, the objective that decided). "time": the time verdict as it is.
+        "memory": kept when it lowers the peak within ``memory_slowdown``; a faster rewrite
+        is kept on time unless it raises the peak."""
+        before, after = peaks
+        if self.settings.objective == "time":
+            return keep, reason, "time"
+        mem_keep, mem_reason = memory.decide_memory(m, before, after, self.settings.memory_slowdown,
+                                                    figure(m) if m.pairs else "")
+        if mem_keep:
+            return True, mem_reason, "memory"
+        if keep and before is not None and after is not None \
+                and after > before * (1 + memory.MIN_MEMORY_SAVING):
+            return False, (f"raises peak memory ({before / 2**20:.2f} MB -> {after / 2**20:.2f} MB) "
+                           f"although {reason}"), "memory"
+        if keep:
+            return True, reason, "time"
+        return False, f"{mem_reason}; on time: {reason}", "memory"
 
     def _variant_step(self, candidate: bool, passes: tuple[str, ...], label: str) -> Step:
         inner = self.job.step(self.cap)
@@ -548,15 +610,20 @@ class Run:
         finally:
             self.snapshot.restore()
         tol = tolerance_for(self.job.dtype)
-        c = compare_runs(got, self.reference.values, tol)
+        want, dropped = self.reference.values, ""
+        if self.may_drop_outputs:
+            gone = [k for k in want if k.startswith("output ") and k not in got]
+            want = {k: v for k, v in want.items() if k not in gone}
+            dropped = f"; outputs dropped (None) under objective='memory': {gone}" if gone else ""
+        c = compare_runs(got, want, tol)
         if not c.ok:
             y = self.reference.yardstick()
             if y is not None and composed:
                 # Each rewrite was held to the yardstick on its own region; several correct
                 # rewrites composed add their rounding, a wrong one is off by far more.
                 y = dataclasses.replace(y, factor=2 * y.factor)
-            c = compare_runs(got, self.reference.values, tol, yardstick=y)
-        return c.ok, c.describe(), c.max_abs_error
+            c = compare_runs(got, want, tol, yardstick=y)
+        return c.ok, c.describe() + dropped, c.max_abs_error
 
     # --- the composed model ------------------------------------------------------------------
     def rebuild(self, kept: list[KeptPass]) -> None:
@@ -657,11 +724,15 @@ class Run:
     # --- plans -------------------------------------------------------------------------------
     def _fingerprint(self) -> dict:
         job = self.job
-        return {"device": job.backend.name, "versions": job.backend.versions(), "mode": job.mode,
+        fp = {"device": job.backend.name, "versions": job.backend.versions(), "mode": job.mode,
                 "dtype": str(job.dtype) if job.dtype else None,
                 "inputs": plans.input_signature(job.args, job.kwargs), "front_end": self.cap.front_end,
                 "graphs": plans.graph_hash(structure_signature(s.original) for s in self.cap.slots),
                 "pass_versions": {p.name: p.version for p in self.passes}}
+        if self.settings.objective != "time":  # the same graphs decide differently on memory
+            fp["objective"] = self.settings.objective
+            fp["memory_slowdown"] = self.settings.memory_slowdown
+        return fp
 
     def _plan_to_replay(self, fingerprint: dict) -> dict | None:
         plan = _plan_to_replay(self.settings.plan, fingerprint, self.report, self.settings.strict_plan)
@@ -716,8 +787,23 @@ class Run:
                                     settings=REPORT_PROFILE, label="optimized")
                 report.top_ops_after, report.findings_after = after.top(10), advise(after)
                 report.op_comparison = compare(before, after, labels=("original", "optimized"))
+            if self.settings.objective == "memory":
+                self._memory_view(twin if optimized else None, optimized)
         except Exception as e:  # a profiler problem must not cost the user the optimization
             report.notes.append(f"profiling failed: {type(e).__name__}: {e}")
+
+    def _memory_view(self, twin: Any, optimized: bool) -> None:
+        """Live memory over one step before and after (the report's memory view)."""
+        job = self.job
+        steps = {"before": job.step(job.model)}
+        if optimized:
+            steps["after"] = job.step(self.cap if self.kept else job.model, optimizer=twin)
+        for label, step in steps.items():
+            step()  # warm: the first run allocates caches
+            t = memory.memory_timeline(step, job.backend)
+            self.snapshot.restore()
+            if t is not None:
+                self.report.memory[label] = t.to_dict()
 
     def _loss_scaling(self, optimizer: torch.optim.Optimizer | None) -> amp.DynamicLossScale | None:
         """fp16 training with half-precision GEMMs kept: dynamic loss scaling, the loop unchanged."""

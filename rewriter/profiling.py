@@ -395,20 +395,13 @@ def _torch_events(prof: Any) -> list[TimedEvent]:
 
 
 def _kineto_peak_mb(prof: Any, device_type: str) -> float | None:
-    """Peak of the allocations the profiler saw, above what was allocated when it started."""
-    try:
-        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-                  and str(e.device_type()).rsplit(".", 1)[-1].lower() == device_type]
-    except (AttributeError, RuntimeError) as e:  # private API: degrade to "not available"
-        log.debug("no memory events: %s", e)
-        return None
+    """Peak of the allocations the profiler saw, above what was allocated when it started
+    (one implementation: rewriter.memory, also behind optimize()'s memory objective)."""
+    from rewriter.memory import memory_events, peak_from_events
+    events = memory_events(prof, device_type)
     if not events:
         return None
-    running, peak = 0, 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        running += e.nbytes()
-        peak = max(peak, running)
-    return peak / 2**20
+    return peak_from_events(events) / 2**20
 
 
 def with_analysis(result: ProfileResult, analysis: OpAnalysis) -> ProfileResult:

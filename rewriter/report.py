@@ -34,6 +34,9 @@ class Decision:
     # Per region signature: sites, region ms before -> after ± noise, calls per step, the
     # predicted step saving, verification error, and where the decision came from.
     regions: list[dict] = field(default_factory=list)
+    objective: str | None = None  # the objective that decided: "time" | "memory" (None: not measured)
+    peak_mb_before: float | None = None  # peak MB of one step above its start, without / with it
+    peak_mb_after: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,6 +64,9 @@ class Report:
     plan_status: str = ""
     notes: list[str] = field(default_factory=list)
     plan: dict | None = None
+    objective: str = "time"  # optimize(objective=)
+    # The memory view (rewriter.memory.MemoryTimeline.to_dict() of one step, "before"/"after")
+    memory: dict = field(default_factory=dict)
 
     @property
     def kept_passes(self) -> list[str]:
@@ -92,6 +98,14 @@ class Report:
                 json.dump(self.plan, f, indent=2)
         if self.op_comparison is not None:  # comparison.md/json and, with matplotlib, a chart
             self.op_comparison.save(os.path.join(directory, "profile"))
+        if self.memory:  # the live-memory curve as a PNG where matplotlib imports (optional)
+            from rewriter.memory import MemoryTimeline
+            for label, view in self.memory.items():
+                t = MemoryTimeline(samples=[(x, y) for x, y in view.get("samples", [])],
+                                   peak_bytes=int(view["peak_mb"] * 2**20), peak_ms=view["peak_ms"],
+                                   step_ms=view["step_ms"])
+                t.save_chart(os.path.join(directory, f"memory_{label}.png"),
+                             f"live memory over one step, {label}")
 
     def to_markdown(self) -> str:
         lines = [f"# rewriter report: {self.model}", "",
@@ -119,6 +133,7 @@ class Report:
                 lines.append(_region_row(d.pass_name, row))
         if self.final.get("predicted_saving_ms") is not None:
             lines += ["", f"Whole step, original vs composed: {_cell(self.final.get('reason', ''))}"]
+        lines += _memory_lines(self)
         if self.phases:
             lines += ["", "time per phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())]
         for title, rows in (("Top operators before", self.top_ops_before),
@@ -147,6 +162,34 @@ class Report:
 
     def __str__(self) -> str:
         return self.to_markdown()
+
+
+def _memory_lines(report: "Report") -> list[str]:
+    """Per decision: peak memory without -> with the rewrite and the objective that decided;
+    the step before/after: live memory over the step, its peak and the top allocators."""
+    from rewriter.memory import MemoryTimeline
+    rows = [d for d in report.decisions if d.peak_mb_before is not None
+            or (report.objective != "time" and d.objective is not None)]
+    lines: list[str] = []
+    if rows or report.memory or report.objective != "time":
+        lines += ["", f"## Memory (objective: {report.objective})", ""]
+    if rows:
+        lines += ["| pass | decided by | peak MB without -> with | saved | decision |", "|---|---|---|---|---|"]
+        for d in rows:
+            a, b = d.peak_mb_before, d.peak_mb_after
+            peak = f"{a:.2f} -> {b:.2f}" if a is not None and b is not None else "-"
+            saved = f"{a - b:.2f} MB ({100 * (a - b) / a:.0f}%)" if a and b is not None else "-"
+            lines.append(f"| {d.pass_name} | {d.objective or '-'} | {peak} | {saved} | {d.status} |")
+    for label in ("before", "after"):
+        view = report.memory.get(label)
+        if view:
+            t = MemoryTimeline(samples=[(x, y) for x, y in view.get("samples", [])],
+                               peak_bytes=int(view["peak_mb"] * 2**20), peak_ms=view["peak_ms"],
+                               step_ms=view["step_ms"], peak_op=view.get("peak_op", ""),
+                               top_allocators=[(r["op"], int(r["mb"] * 2**20), r["calls"])
+                                               for r in view.get("top_allocators", [])])
+            lines += ["", t.to_markdown(f"Memory over the step, {label}")]
+    return lines
 
 
 def _region_row(pass_name: str, row: dict) -> str:

@@ -34,12 +34,15 @@ class ControlledClock:
     steps (``step.scope == "step"``), so a region can look faster than its composed step is.
     ``interference(call, step)`` multiplies a sample's time (a burst of load from another
     process); ``interrupt_after`` raises KeyboardInterrupt then.
+    ``peaks`` (by pass) multiply ``base_bytes`` for :meth:`peak_bytes`, the step's peak memory
+    (the memory objective's measurement, injected instead of profiled).
     """
 
     def __init__(self, costs: dict[str, float] | None = None, base: float = 0.010,
                  jitter: float = 0.005, interrupt_after: int | None = None,
                  step_costs: dict[str, float] | None = None,
-                 interference: Callable[[int, Step], float] | None = None) -> None:
+                 interference: Callable[[int, Step], float] | None = None,
+                 peaks: dict[str, float] | None = None, base_bytes: int = 100 * 2**20) -> None:
         self.costs = costs or {}
         self.step_costs = step_costs or {}
         self.base, self.jitter = base, jitter
@@ -49,6 +52,15 @@ class ControlledClock:
         self.interference = interference
         self.seen: list[tuple[str, ...]] = []
         self.scopes: list[str] = []
+        self.peaks, self.base_bytes = peaks or {}, base_bytes
+        self.peaks_seen: list[tuple[str, ...]] = []
+
+    def peak_bytes(self, step: Step) -> int:
+        """Runs the step and reports its peak memory: ``base_bytes * prod(peaks[p])``
+        (exact: peak memory of a step does not jitter the way its time does)."""
+        step.run()
+        self.peaks_seen.append(step.passes)
+        return int(self.base_bytes * math.prod(self.peaks.get(p, 1.0) for p in step.passes))
 
     def time(self, step: Step) -> float:
         self.calls += 1

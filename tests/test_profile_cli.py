@@ -82,3 +82,18 @@ def test_case_study_block_names_the_misaligned_dim_the_pass_and_the_line(tmp_pat
 def test_a_bad_peaks_name_is_refused_before_building(tmp_path, capsys):
     assert cli.main(["profile", "nowhere.py:build", "--peaks", "TPU-v9", "--out", str(tmp_path)]) == 2
     assert "no documented peaks for 'TPU-v9'" in capsys.readouterr().err
+
+
+def test_profile_shows_the_memory_view(tmp_path, capsys):
+    spec = tmp_path / "block.py"
+    spec.write_text(BLOCK)
+    out_dir = tmp_path / "out"
+    assert cli.main(["profile", f"{spec}:build", "--train", "--optimizer", "none", "--steps", "1",
+                     "--out", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "### Memory over the step" in out and re.search(r"peak [\d.]+ MB above the step's start, at", out)
+    assert "| operator | MB allocated | calls |" in out
+    import json
+    view = json.loads((out_dir / "memory.json").read_text())
+    assert view["peak_mb"] > 0 and view["samples"] and view["top_allocators"]
+    assert (out_dir / "memory.md").exists()
