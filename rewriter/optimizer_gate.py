@@ -68,31 +68,26 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
         key = entry_key(step_signature(job.optimizer, cand, job.backend.name), job.backend.versions())
         known = knowledge_base.get(key) if knowledge_base is not None else None
         if known is not None:
+            figures, speedup, noise = known, known["speedup"], known["noise"]
             keep, reason = verdict(known["speedup"], known["noise"], known["pairs"], min_speedup,
                                    settings.noise_widths, known["baseline_ms"], known["candidate_ms"])
-            decision = Decision("fuse_optimizer", keep, "kept" if keep else "rejected",
-                                f"{cand.description}, on its own step: {reason} (knowledge base, "
-                                f"measured {known.get('recorded', '')})", speedup=known["speedup"],
-                                noise=known["noise"], max_abs_error=err, sites=[cand.description],
-                                measurement=known, scope="step")
-            if keep:
-                return decision, cand
-            tried.append(decision.reason)
-            continue
-        base, _ = optimizers.scratch_optimizer(job.optimizer, None, seed=1)
-        fused, _ = optimizers.scratch_optimizer(job.optimizer, cand, seed=1)
-        m = measure(Step(base.step, (), "optimizer step", scope="optimizer"),
-                    Step(fused.step, ("fuse_optimizer",), "fused step", scope="optimizer"),
-                    clock=clock, settings=settings, min_speedup=min_speedup, deadline=deadline)
-        keep, reason = decide(m, min_speedup, settings.noise_widths)
-        if knowledge_base is not None and not m.busy and not m.out_of_time \
-                and m.pairs >= settings.min_pairs:
-            knowledge_base.put(key, {**m.to_dict(), "pass": "fuse_optimizer",
-                                     "example": cand.description})
+            reason += f" (knowledge base, measured {known.get('recorded', '')})"
+        else:
+            base, _ = optimizers.scratch_optimizer(job.optimizer, None, seed=1)
+            fused, _ = optimizers.scratch_optimizer(job.optimizer, cand, seed=1)
+            m = measure(Step(base.step, (), "optimizer step", scope="optimizer"),
+                        Step(fused.step, ("fuse_optimizer",), "fused step", scope="optimizer"),
+                        clock=clock, settings=settings, min_speedup=min_speedup, deadline=deadline)
+            keep, reason = decide(m, min_speedup, settings.noise_widths)
+            figures, speedup, noise = m.to_dict(), m.speedup, m.noise
+            if knowledge_base is not None and not m.busy and not m.out_of_time \
+                    and m.pairs >= settings.min_pairs:
+                knowledge_base.put(key, {**figures, "pass": "fuse_optimizer",
+                                         "example": cand.description})
         decision = Decision("fuse_optimizer", keep, "kept" if keep else "rejected",
-                            f"{cand.description}, on its own step: {reason}", speedup=m.speedup,
-                            noise=m.noise, max_abs_error=err, sites=[cand.description],
-                            measurement=m.to_dict(), scope="step")
+                            f"{cand.description}, on its own step: {reason}",
+                            speedup=speedup, noise=noise, max_abs_error=err,
+                            sites=[cand.description], measurement=figures, scope="step")
         if keep:
             return decision, cand
         tried.append(decision.reason)

@@ -391,7 +391,8 @@ class Run:
                                              ).replace("torch.", "")}
         with self._phase("verify"):
             worst = Comparison(True)
-            for slot, r in _verify_sample(members):
+            sample = _verify_sample(members)
+            for slot, r in sample:
                 c = verify_region(r, self._values(values, slot, r), self.job.training,
                                   self._forms(r, overlay))
                 if not c.ok and not self._whole_model_agrees(p):
@@ -406,7 +407,7 @@ class Run:
                                    f"beyond the bound ({c.problem}), but the whole model agrees")
                 if c.max_abs_error >= worst.max_abs_error:
                     worst = c
-        checked = len(_verify_sample(members))
+        checked = len(sample)
         row.update(max_abs_error=worst.max_abs_error, verified_sites=checked,
                    verification=worst.describe() + (f" ({checked} of {len(members)} sites checked; "
                                                     "the composed model is verified whole)"

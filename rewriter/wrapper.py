@@ -33,15 +33,21 @@ log = logging.getLogger(__name__)
 _OWN = ("_model", "_outcome", "_pending", "_fx_by_mode", "report", "_hooks_seen", "_compiled")
 
 
+def share_registries(shell: nn.Module, model: nn.Module) -> None:
+    """Give ``shell`` the registries of ``model``: same names, same tensor objects, so
+    ``state_dict()`` keys, optimizers and checkpoints see the model's own tensors."""
+    d = shell.__dict__
+    d["_parameters"] = model._parameters
+    d["_buffers"] = model._buffers
+    d["_modules"] = model._modules
+    d["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
+
+
 class OptimizedModel(nn.Module):
     def __init__(self, model: nn.Module, pending: Callable[[tuple, dict], Outcome] | None) -> None:
         super().__init__()
+        share_registries(self, model)
         d = self.__dict__
-        # Share registries with the original: same names, same tensor objects.
-        d["_parameters"] = model._parameters
-        d["_buffers"] = model._buffers
-        d["_modules"] = model._modules
-        d["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
         d["_model"] = model
         d["_pending"] = pending
         d["_outcome"] = None

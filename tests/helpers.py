@@ -1,6 +1,8 @@
 """Apply one pass to a captured model, and compare it with the original."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import random
 
 import numpy as np
@@ -97,3 +99,22 @@ def assert_trainer_ran_rewritten(callback, model_name: str, plain, rewritten, st
     assert callback._step.rewritten_calls == steps
     assert len(rewritten.losses) == len(plain.losses) == steps
     torch.testing.assert_close(torch.stack(rewritten.losses), torch.stack(plain.losses))
+
+
+@contextlib.contextmanager
+def logged_messages(name: str):
+    """The INFO (and above) messages logger ``name`` emits inside the block, as a list."""
+    logger = logging.getLogger(name)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    messages: list[str] = []
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+        messages.extend(r.getMessage() for r in records)

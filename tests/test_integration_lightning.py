@@ -7,7 +7,6 @@ compared. The clock is controlled (fuse_attention and the fused optimizer look f
 from __future__ import annotations
 
 import json
-import logging
 import pathlib
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.controlled import QUICK, ControlledClock
-from tests.helpers import assert_trainer_ran_rewritten
+from tests.helpers import assert_trainer_ran_rewritten, logged_messages
 from tests.factories.tiny_models import DIM, SEQ, AttentionBlock
 
 L = pytest.importorskip("lightning")
@@ -83,20 +82,10 @@ def runs(tmp_path_factory):
     plain = _fit(tmp_path_factory.mktemp("plain"))
     callback = RewriterCallback(clock=ControlledClock(FASTER), gate=QUICK, profile=False,
                                 progress=False, knowledge_base=False)
-    logger = logging.getLogger("rewriter.integrations.lightning")
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger.addHandler(handler)
-    old_level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with logged_messages("rewriter.integrations.lightning") as log:
         rewritten = _fit(tmp_path_factory.mktemp("rewritten"), [callback])
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
     return {"plain": plain, "rewritten": rewritten, "callback": callback,
-            "log": [r.getMessage() for r in records]}
+            "log": log}
 
 
 def test_training_step_is_rewritten_and_the_loss_matches_step_by_step(runs):

@@ -8,14 +8,13 @@ the fused optimizer look faster), so what is kept does not depend on this machin
 from __future__ import annotations
 
 import json
-import logging
 import pathlib
 
 import pytest
 import torch
 
 from tests.controlled import QUICK, ControlledClock
-from tests.helpers import assert_trainer_ran_rewritten
+from tests.helpers import assert_trainer_ran_rewritten, logged_messages
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -78,20 +77,10 @@ def _callback(**extra) -> RewriterCallback:
 def runs(tmp_path_factory):
     plain = _train(tmp_path_factory.mktemp("plain"))
     seen, callback = SeenOptimizer(), _callback()
-    logger = logging.getLogger("rewriter.integrations.transformers")
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger.addHandler(handler)
-    old_level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with logged_messages("rewriter.integrations.transformers") as log:
         rewritten = _train(tmp_path_factory.mktemp("rewritten"), [seen, callback])
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
     return {"plain": plain, "rewritten": rewritten, "callback": callback, "seen": seen,
-            "log": [r.getMessage() for r in records]}
+            "log": log}
 
 
 def _learning_rates(trainer) -> list[float]:

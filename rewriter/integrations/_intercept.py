@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from rewriter.wrapper import OptimizedModel
+from rewriter.wrapper import OptimizedModel, share_registries
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,8 @@ class ModuleShell(nn.Module):
 
     def __init__(self, model: nn.Module, call: Callable[..., Any], name: str) -> None:
         super().__init__()
+        share_registries(self, model)
         d = self.__dict__
-        d["_parameters"] = model._parameters
-        d["_buffers"] = model._buffers
-        d["_modules"] = model._modules
-        d["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
         d["_shell_of"] = model
         d["_call"] = call
         d["training"] = model.training
