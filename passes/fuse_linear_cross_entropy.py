@@ -34,9 +34,11 @@ lm_head output). Holding them is what this pass exists to avoid, so:
   them (inference: the logits are usually the point).
 
 Declined too: logits that reach the loss from another graph (a Dynamo graph break between the
-lm_head and the loss: GPT2LMHeadModel's ``loss_function`` logs a warning when ``loss_type`` is
-None, which Dynamo cannot trace; ``model.loss_type = "ForCausalLM"`` removes it), a class-weighted loss, ``reduction="none"``, logits whose flattening is not a
-plain ``view(-1, V)``/``reshape`` of the linear's output, unknown shapes.
+lm_head and the loss, such as a print or a data-dependent branch in a custom loss; transformers'
+``logger.warning_once`` there, which GPT2LMHeadModel's ``loss_function`` calls when
+``loss_type`` is None, is no break: the capture lets Dynamo drop it, see rewriter.capture), a
+class-weighted loss, ``reduction="none"``, logits whose flattening is not a plain
+``view(-1, V)``/``reshape`` of the linear's output, unknown shapes.
 Contract: exact. Devices: cpu, cuda, npu.
 """
 from __future__ import annotations
@@ -263,8 +265,7 @@ def match(ce: Node) -> LceMatch | str | None:
         node, softcap = capped
     if isinstance(node, Node) and node.op == "placeholder":
         return ("the logits come from another captured graph (a Dynamo graph break between "
-                "lm_head and the loss; GPT2LMHeadModel: transformers' loss_function warns when "
-                "model.loss_type is None, set model.loss_type = 'ForCausalLM')")
+                "lm_head and the loss: TORCH_LOGS=graph_breaks names it)")
     if not is_op(node, "linear"):
         return None
     chain.append(node)

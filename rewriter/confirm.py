@@ -122,16 +122,27 @@ def _slower(m: Measurement, r: "Run") -> bool:
 def _measure(self: Confirmation) -> Measurement:
     r = self.owner
     g = r.settings.gate
-    # Both models ran just before (reference, capture and composed checks): one warm-up pair.
-    once = dataclasses.replace(g, warmup=1, warmup_seconds=0.0, max_warmup=1,
+    # Both models ran just before (the reference, the capture check and the composed check): no
+    # warm-up. (A fused optimizer twin allocates its state in its first timed step: a few ms
+    # in one sample of a step, which the median of the pairs does not see.)
+    once = dataclasses.replace(g, warmup=0, warmup_seconds=0.0, max_warmup=0,
                                min_pairs=min(g.min_pairs, g.confirm_pairs))
     # The budget holds the confirmation's reserve back; past it, the step check takes only the
     # fewest pairs (and inconclusive stays inconclusive: the region decisions stand).
     deadline = None if r.deadline is None else max(r.deadline, time.perf_counter() + r._confirm_reserve())
-    m = measure(r.original_step(), r.composed_step(), clock=r.clock, settings=once,
-                min_speedup=1.0, deadline=deadline)
+    m = measure(r.original_step(), r.composed_step(), clock=r.clock, settings=once, min_speedup=1.0,
+                deadline=deadline, enough=lambda m: _answered(m, g))
     r.snapshot.restore()
     return m
+
+
+def _answered(m: Measurement, g) -> bool:
+    """The step check asks one question: is the composed step measurably slower? Its fewest
+    pairs answer it unless they point below the regression margin without being clear of the
+    noise; only then are more pairs taken (up to the gate's budget), before any ablation."""
+    widths = g.noise_widths
+    return m.speedup >= g.regression or m.speedup + widths * m.noise < 1.0 \
+        or m.speedup - widths * m.noise > 1.0
 
 
 def _verified(self: Confirmation) -> bool:

@@ -103,7 +103,10 @@ class GateSettings:
     region_sample_seconds: float = 0.003  # a region sample repeats the region this long
     region_warmup_seconds: float = 0.05   # a region is small: its caches settle fast
     region_max_pairs: int = 200  # region samples are short: more pairs, same budget
-    region_min_pairs: int = 20   # and no early verdict on a handful of them
+    region_min_pairs: int = 10   # and no early verdict on a handful of them
+    # a region that sits near the margin is not measured for ever: past this, its figures
+    # decide (kept only when clear of the margin by its noise)
+    region_budget_seconds: float = 1.5
     negligible: float = 0.001    # a region saving less than this share of the step is not kept
     confirm_pairs: int = 4  # the step check: fewest pairs (the models ran warm just before)
     outlier_factor: float = 1.5  # a sample this many times its variant's lower decile is flagged
@@ -207,24 +210,31 @@ def _conclusive(m: Measurement, min_speedup: float, widths: float) -> bool:
 
 
 def measure(baseline: Step, candidate: Step, *, clock: Clock, settings: GateSettings,
-            min_speedup: float = 1.0, deadline: float | None = None) -> Measurement:
+            min_speedup: float = 1.0, deadline: float | None = None,
+            enough: Callable[[Measurement], bool] | None = None) -> Measurement:
     """Interleaved A/B timing of two variants; stops early once the result is conclusive, at
     the settings' budget, or at ``deadline`` (a ``time.perf_counter()`` value), after
-    ``min_pairs`` in any case. Too many flagged samples: measured once more (see the module)."""
+    ``min_pairs`` in any case. Too many flagged samples: measured once more (see the module).
+
+    ``enough``: when the pairs so far answer the caller's question (default: more pairs could
+    not change the keep/reject decision under ``min_speedup``)."""
     warm_start = time.perf_counter()
     for i in range(max(settings.warmup, settings.max_warmup)):
         if i >= settings.warmup and time.perf_counter() - warm_start >= settings.warmup_seconds:
             break
         baseline.run()
         candidate.run()
-    m = _pairs(baseline, candidate, clock, settings, min_speedup, deadline)
+    if enough is None:
+        def enough(m: Measurement) -> bool:
+            return _conclusive(m, min_speedup, settings.noise_widths)
+    m = _pairs(baseline, candidate, clock, settings, enough, deadline)
     if m.flagged_fraction > settings.max_flagged and not m.out_of_time \
             and (deadline is None or time.perf_counter() < deadline):
         log.info("rewriter: %s vs %s: %d of %d samples far above their variant's usual time (a busy "
                  "machine?); measuring again", baseline.label, candidate.label, sum(m.flagged),
                  len(m.flagged))
         earlier = (m.baseline_times, m.candidate_times)
-        m = _pairs(baseline, candidate, clock, settings, min_speedup, deadline, earlier)
+        m = _pairs(baseline, candidate, clock, settings, enough, deadline, earlier)
         m.remeasured = True
         m.busy = m.flagged_fraction > settings.max_flagged
     elif m.flagged_fraction > settings.max_flagged:
@@ -233,7 +243,7 @@ def measure(baseline: Step, candidate: Step, *, clock: Clock, settings: GateSett
 
 
 def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings,
-           min_speedup: float, deadline: float | None,
+           enough: Callable[[Measurement], bool], deadline: float | None,
            earlier: tuple[list[float], list[float]] | None = None) -> Measurement:
     m = Measurement(outlier_factor=settings.outlier_factor, reps=max(baseline.reps, 1),
                     earlier=earlier)
@@ -248,8 +258,7 @@ def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings
             m.out_of_time = True  # the budget ends here: no verdict from a few pairs
             break
         if i + 1 >= settings.min_pairs and (
-                (m.flagged_fraction <= settings.max_flagged
-                 and _conclusive(m, min_speedup, settings.noise_widths))
+                (m.flagged_fraction <= settings.max_flagged and enough(m))
                 or time.perf_counter() - started > settings.budget_seconds
                 or (deadline is not None and time.perf_counter() > deadline)):
             break

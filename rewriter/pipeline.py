@@ -220,9 +220,10 @@ class Run:
         return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
 
     def _confirm_reserve(self) -> float:
-        """Time kept back for the confirmation: warm-up and the fewest pairs of two steps."""
+        """Time kept back for the confirmation: the composed check and the fewest pairs of two
+        steps."""
         g = self.settings.gate
-        return self.step_seconds * 2 * (1 + min(g.min_pairs, g.confirm_pairs)) * 1.25
+        return self.step_seconds * (1 + 2 * min(g.min_pairs, g.confirm_pairs)) * 1.25
 
     def _out_of_time(self) -> bool:
         return self._remaining() < self._confirm_reserve()

@@ -140,6 +140,8 @@ def measure_region(region: Region, values: list[Recorded], training: bool, *, cl
         base = Step(_repeated(a, reps), (), "original region", scope="region", reps=reps)
         cand = Step(_repeated(b, reps), (region.pass_name,), "replacement", scope="region", reps=reps)
         quick_warmup = dataclasses.replace(settings, warmup_seconds=settings.region_warmup_seconds,
+                                           budget_seconds=min(settings.budget_seconds,
+                                                              settings.region_budget_seconds),
                                            max_pairs=max(settings.max_pairs, settings.region_max_pairs),
                                            min_pairs=max(settings.min_pairs, min(
                                                settings.region_min_pairs, settings.max_pairs)))

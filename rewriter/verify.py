@@ -141,34 +141,50 @@ def flatten_output(output: Any) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
+def _finite_peak(w: torch.Tensor) -> float:
+    """The largest |value| among the finite elements (0.0 when there are none)."""
+    peak = float(w.abs().max())  # one pass; inf or nan when some element is not finite
+    if math.isfinite(peak):
+        return peak
+    finite = torch.isfinite(w)
+    return float(torch.where(finite, w.abs(), 0).max()) if bool(finite.any()) else 0.0
+
+
 def compare_tensors(got: torch.Tensor, want: torch.Tensor, tol: Tolerance, where: str,
-                    scale_floor: float = 0.0) -> Comparison:
+                    scale_floor: float = 0.0, peak: float | None = None) -> Comparison:
+    """``peak``: want's largest finite |value|, where the caller has it already."""
     if got.shape != want.shape:
         return Comparison(False, math.inf, math.inf, where, f"{where}: shape {tuple(got.shape)} != {tuple(want.shape)}")
     if not (want.is_floating_point() or want.is_complex()):
         same = torch.equal(got, want)
         return Comparison(same, 0.0 if same else math.inf, 0.0 if same else math.inf, where,
                           "" if same else f"{where}: integer values differ")
+    if not want.numel():
+        return Comparison(True, 0.0, 0.0, where)
     # fp32 and wider compare in their own dtype (the difference of two close floats is exact);
     # half dtypes widen to fp32 first.
     wide = torch.promote_types(torch.promote_types(got.dtype, want.dtype), torch.float32)
     g, w = got.detach().to(wide), want.detach().to(wide)
-    finite = torch.isfinite(w)
-    all_finite = bool(finite.all())
-    if not all_finite:
+    abs_w = w.abs()
+    whole = float(abs_w.max())  # finite exactly when every element of want is
+    if not math.isfinite(whole):
+        finite = torch.isfinite(w)
         if bool((~torch.isfinite(g) & finite).any()):
             return Comparison(False, math.inf, math.inf, where, f"{where}: non-finite values where the original is finite")
         if not bool(finite.any()):
             return Comparison(True, 0.0, 0.0, where)
-        g, w = g[finite], w[finite]
-    elif not bool(torch.isfinite(g).all()):
-        return Comparison(False, math.inf, math.inf, where, f"{where}: non-finite values where the original is finite")
-    diff = (g - w).abs()
-    scale = float(w.abs().max())
-    atol = tol.atol_scale * max(scale, scale_floor)
+        g, w, abs_w = g[finite], w[finite], abs_w[finite]
+        whole = float(abs_w.max())
+    diff = torch.sub(g, w).abs_()
     max_abs = float(diff.max())
+    if not math.isfinite(max_abs) and not bool(torch.isfinite(g).all()):
+        return Comparison(False, math.inf, math.inf, where, f"{where}: non-finite values where the original is finite")
+    scale = whole if peak is None else peak
+    atol = tol.atol_scale * max(scale, scale_floor)
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    bad = diff > atol + tol.rtol * w.abs()
+    if max_abs <= atol:  # within the absolute bound everywhere: no element can be off
+        return Comparison(True, max_abs, max_rel, where)
+    bad = diff > abs_w.mul_(tol.rtol).add_(atol)
     if bool(bad.any()):
         return Comparison(False, max_abs, max_rel, where,
                           f"{where}: {int(bad.sum())} of {bad.numel()} elements off "
@@ -188,16 +204,17 @@ def compare_runs(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
         return Comparison(False, math.inf, math.inf, "",
                           f"different tensors: missing {missing[:5]}, unexpected {extra[:5]}")
     floors: dict[str, float] = {}
+    peaks: dict[str, float] = {}
     for name, w in want.items():
         if w.is_floating_point() and w.numel():
-            finite = w.detach()[torch.isfinite(w.detach())]
-            peak = float(finite.abs().max()) if finite.numel() else 0.0
+            peaks[name] = _finite_peak(w.detach())
             group = name.split(" ", 1)[0]
-            floors[group] = max(floors.get(group, 0.0), 0.01 * peak)
+            floors[group] = max(floors.get(group, 0.0), 0.01 * peaks[name])
     worst = Comparison(True)
     judged: list[str] = []  # passed by the yardstick
     for name, w in want.items():
-        c = compare_tensors(got[name], w, tol, name, floors.get(name.split(" ", 1)[0], 0.0))
+        c = compare_tensors(got[name], w, tol, name, floors.get(name.split(" ", 1)[0], 0.0),
+                            peak=peaks.get(name))
         if not c.ok and yardstick is not None and name in yardstick.values:
             c = _within_yardstick(c, got[name], w, yardstick.values[name], yardstick)
         if not c.ok:

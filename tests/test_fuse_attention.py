@@ -310,3 +310,24 @@ def test_real_model_forms_on_the_npu_shim(fake_torch_npu, form, fused):
     if fused:
         assert "npu_fusion_attention" in code(cap) and "expand" not in code(cap)
         _check_same(model, cap, args)
+
+
+def test_a_message_logged_once_inside_forward_does_not_split_the_graph():
+    """transformers' ``logger.warning_once`` (GPT-2's loss with loss_type=None) is a graph
+    break for Dynamo, which then traces the model again from every frame above it."""
+    import logging
+
+    import transformers  # noqa: F401  (installs Logger.warning_once)
+    logger = logging.getLogger("tests.once")
+
+    class Logs(torch.nn.Module):
+        def forward(self, q, k, v):
+            scores = q @ k.transpose(-2, -1) / 4.0
+            logger.warning_once("computing attention")
+            return torch.softmax(scores, dim=-1) @ v
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    model = Logs()
+    cap, sites = rewrite(model, (q, k, v), "fuse_attention", front_end="dynamo")
+    assert len(cap.slots) == 1 and len(sites) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(cap(q, k, v), model(q, k, v))

@@ -31,11 +31,7 @@ def _gpt2():
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, n_positions=64, vocab_size=VOCAB,
                                   attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
                                   attn_implementation="eager")
-    model = transformers.GPT2LMHeadModel(cfg)
-    # no "ForCausalLM" in the class name: without it transformers logs a warning in
-    # loss_function, a Dynamo graph break between lm_head and the loss (see the pass's docstring)
-    model.loss_type = "ForCausalLM"
-    return model
+    return transformers.GPT2LMHeadModel(cfg)
 
 
 def _inputs(ignore: bool):
@@ -118,12 +114,26 @@ def test_every_token_ignored_is_nan_as_in_torch():
     assert torch.isnan(lce.fused_linear_cross_entropy(h, w, None, t))
 
 
-def test_declines_when_a_graph_break_separates_lm_head_and_the_loss():
+def test_declines_when_a_graph_break_separates_lm_head_and_the_loss(monkeypatch):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    def breaking_loss(*args, **kwargs):
+        torch._dynamo.graph_break()  # a print or a data-dependent branch in a custom loss
+        return ForCausalLMLoss(*args, **kwargs)
     model = _gpt2().train()
-    del model.loss_type  # back to the class default (None): transformers warns, Dynamo breaks
-    inputs = _inputs(ignore=False)
-    _, found, ctx = _rewritten(model, inputs)
+    monkeypatch.setattr(type(model), "loss_function", property(lambda self: breaking_loss))
+    cap, found, ctx = _rewritten(model, _inputs(ignore=False))
+    assert len(cap.slots) > 1
     assert found == [] and any("another captured graph" in d for d in ctx.declined)
+
+
+def test_gpt2_with_its_default_loss_type_is_one_graph_and_its_loss_is_fused():
+    """GPT2LMHeadModel's loss_function calls logger.warning_once when loss_type is None (the
+    class default); the capture lets Dynamo drop that call instead of breaking the graph."""
+    model = _gpt2().train()
+    assert model.loss_type is None
+    cap, found, _ = _rewritten(model, _inputs(ignore=False))
+    assert len(cap.slots) == 1 and len(found) == 1
 
 
 def test_bad_arguments_are_clear_errors():

@@ -190,6 +190,23 @@ def test_a_faster_region_is_kept_when_the_step_cannot_resolve_it(blocks):
     assert final["predicted_saving_ms"] > 0
 
 
+def _step_pairs(clock):
+    return sum(1 for scope in clock.scopes if scope == "step") // 2
+
+
+def test_the_step_check_takes_its_fewest_pairs_unless_they_point_to_a_regression(blocks):
+    model, x = blocks
+    # the step shows no regression: the fewest pairs answer the question
+    quiet = ControlledClock({"a": 0.5}, step_costs={"a": 1.0})
+    assert _opt(model, (x,), [RewriteRelu("a")], quiet).report.final["kept"]
+    assert _step_pairs(quiet) == QUICK.min_pairs
+    # the step points 3 % slower inside a wide noise: more pairs before any ablation
+    unclear = ControlledClock({"a": 0.5}, step_costs={"a": 1.05}, jitter=0.3)
+    fast = _opt(model, (x,), [RewriteRelu("a")], unclear)
+    assert _step_pairs(unclear) > QUICK.min_pairs
+    assert fast.report.final["measurement"]["pairs"] == _step_pairs(unclear)
+
+
 def test_fused_optimizer_faster_on_its_step_is_returned_with_no_passes():
     torch.manual_seed(0)
     model = ReluMLP().train()
@@ -329,3 +346,17 @@ def test_the_budget_stops_a_measurement_in_progress_and_nothing_is_kept_from_it(
     d = _decision(fast, "a")
     assert not d.kept and "time budget" in d.reason
     assert clock.calls < 40  # stopped, not the 200 pairs a region may take
+
+
+def test_a_region_near_the_margin_is_measured_within_its_own_budget_then_its_figures_decide(blocks):
+    import dataclasses
+    model, x = blocks
+    # 1.03x with wide noise: never clear of the 1.05 margin, never clearly below it
+    clock = SlowClock({"a": 1 / 1.03}, jitter=0.3)
+    gate = dataclasses.replace(QUICK, max_pairs=200, region_budget_seconds=0.5)
+    fast = rewriter.optimize(model, (x,), passes=[RewriteRelu("a")], clock=clock, gate=gate,
+                             profile=False, progress=False, knowledge_base=False)
+    d = _decision(fast, "a")
+    assert not d.kept and d.status == "rejected"
+    pairs = d.regions[0]["measurement"]["pairs"]
+    assert gate.region_min_pairs <= pairs < 40  # 0.5 s of 0.1 s pairs, not 200 pairs

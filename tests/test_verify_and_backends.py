@@ -31,6 +31,37 @@ def test_new_nan_fails_but_nan_where_original_had_one_is_ignored():
     assert not c.ok and "non-finite" in c.problem
 
 
+def test_every_non_finite_case_on_both_sides():
+    finite = torch.tensor([1.0, -2.0, 3.0])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        got = finite.clone()
+        got[1] = bad
+        c = compare_runs({"output y": got}, {"output y": finite}, FP32)
+        assert not c.ok and "non-finite" in c.problem, bad
+    # the same non-finite values on both sides are not compared; the finite ones still are
+    want = torch.tensor([float("inf"), 2.0, float("nan")])
+    assert compare_runs({"output y": want.clone()}, {"output y": want}, FP32).ok
+    off = torch.tensor([float("inf"), 2.1, float("nan")])
+    c = compare_runs({"output y": off}, {"output y": want}, FP32)
+    assert not c.ok and "1 of 1 elements off" in c.problem  # of the finite ones
+    # nothing finite to compare, and nothing at all
+    assert compare_runs({"output y": torch.tensor([5.0])}, {"output y": torch.tensor([float("nan")])}, FP32).ok
+    assert compare_runs({"output y": torch.zeros(0)}, {"output y": torch.zeros(0)}, FP32).ok
+    # finite operands whose difference overflows are off, not "non-finite"
+    big = torch.tensor([3e38, 1.0])
+    c = compare_runs({"output y": -big}, {"output y": big}, FP32)
+    assert not c.ok and "elements off" in c.problem
+
+
+def test_the_relative_bound_applies_where_the_absolute_one_is_exceeded():
+    want = torch.tensor([1000.0, 1.0])
+    # 0.05 on 1000 is within rtol 1e-4 (0.1) though above atol (1e-5 * 1000 = 0.01)
+    assert compare_runs({"output y": torch.tensor([1000.05, 1.0])}, {"output y": want}, FP32).ok
+    # 0.05 on 1.0 is not
+    c = compare_runs({"output y": torch.tensor([1000.0, 1.05])}, {"output y": want}, FP32)
+    assert not c.ok and "1 of 2 elements off" in c.problem
+
+
 def test_near_zero_gradient_is_judged_against_the_runs_scale():
     want = {"grad a": torch.full((4,), 1e-12), "grad b": torch.ones(4)}
     got = {"grad a": torch.full((4,), 4e-12), "grad b": torch.ones(4)}
