@@ -207,6 +207,18 @@ def test_the_step_check_takes_its_fewest_pairs_unless_they_point_to_a_regression
     assert fast.report.final["measurement"]["pairs"] == _step_pairs(unclear)
 
 
+def test_a_suspected_regression_is_measured_on_twice_the_fewest_pairs_before_any_ablation(blocks):
+    import dataclasses
+    model, x = blocks
+    gate = dataclasses.replace(QUICK, max_pairs=20)
+    clock = ControlledClock({"a": 0.5}, step_costs={"a": 1.5})  # clearly slower on the step
+    fast = rewriter.optimize(model, (x,), passes=[RewriteRelu("a")], clock=clock, gate=gate,
+                             profile=False, progress=False, knowledge_base=False)
+    assert not fast.report.final["kept"] and "slower" in fast.report.final["reason"]
+    first = fast.report.final["reason"]
+    assert f"over {2 * gate.confirm_pairs} pairs" in first  # not the 4 a quiet answer takes
+
+
 def test_fused_optimizer_faster_on_its_step_is_returned_with_no_passes():
     torch.manual_seed(0)
     model = ReluMLP().train()
