@@ -11,8 +11,12 @@ base, reuse it automatically", for rewrites::
     kb.put(key, {...}); kb.save()
 
 The fused optimizer's own-step timing is stored the same way, under a signature of the step
-(rewriter.optimizer_gate.step_signature). Only conclusive timings are stored (kept, slower, below the margin, within noise); a comparison
-a busy machine spoiled is not. Verification is never taken from here: every site is verified
+(rewriter.optimizer_gate.step_signature), and so is a pass decided on the whole step
+(to_channels_last, cast_to_half, a change that is not local), under a signature of exactly that
+step: the kept and candidate graphs, the model's tensor shapes, the inputs, the optimizer
+(``Run._step_key``; time decisions only, a memory decision measures its peaks every run).
+Only completed timings are stored (kept, slower, below the margin, within noise); a comparison
+a busy machine spoiled, or one the time budget cut short, is not. Verification is never taken from here: every site is verified
 in every run. The default location is ``$REWRITER_KNOWLEDGE_BASE`` (a file path, or ``off``),
 else ``$XDG_CACHE_HOME/rewriter/knowledge_base.json`` (``~/.cache`` when unset).
 """

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import time
@@ -523,19 +525,34 @@ class Run:
             return Decision(p.name, False, "failed verification", detail, max_abs_error=err,
                             sites=descriptions, scope="step")
         base = tuple(k.name for k in self.kept)
-        with self._phase("measure"):
-            m = measure(self._variant_step(False, base, "kept"),
-                        self._variant_step(True, base + (p.name,), "candidate"),
-                        clock=self.clock, settings=self.settings.gate,
-                        min_speedup=self.settings.min_speedup, deadline=self.deadline)
-        keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
-        peaks = self._peaks(self._variant_step(False, base, "kept"),
-                            self._variant_step(True, base + (p.name,), "candidate"), m)
-        keep, reason, decided_by = self._by_objective(m, keep, reason, peaks)
+        # time decisions on the whole step are stored too (memory ones measure peaks each run)
+        key = self._step_key(p) if self.settings.objective == "time" else None
+        known = self.settings.knowledge_base.get(key) if key else None
+        if known is not None:
+            keep, reason = verdict(known["speedup"], known["noise"], known["pairs"],
+                                   self.settings.min_speedup, self.settings.gate.noise_widths,
+                                   known["baseline_ms"], known["candidate_ms"])
+            reason += f" (knowledge base, measured {known.get('recorded', '')})"
+            speedup, noise, figures, decided_by = known["speedup"], known["noise"], known, "time"
+            saved = _saved(known)
+            peaks: tuple[int | None, int | None] = (None, None)
+        else:
+            with self._phase("measure"):
+                m = measure(self._variant_step(False, base, "kept"),
+                            self._variant_step(True, base + (p.name,), "candidate"),
+                            clock=self.clock, settings=self.settings.gate,
+                            min_speedup=self.settings.min_speedup, deadline=self.deadline)
+            keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
+            peaks = self._peaks(self._variant_step(False, base, "kept"),
+                                self._variant_step(True, base + (p.name,), "candidate"), m)
+            keep, reason, decided_by = self._by_objective(m, keep, reason, peaks)
+            speedup, noise, figures, saved = m.speedup, m.noise, m.to_dict(), m.saved_ms
+            if key and not m.busy and not m.out_of_time and m.pairs >= self.settings.gate.min_pairs:
+                self.settings.knowledge_base.put(key, {**figures, "pass": p.name, "example": "whole step"})
         if keep:
             kp = KeptPass(p)
             self.kept.append(kp)
-            self.units.append(KeptUnit(p.name, None, m.speedup, m.noise, m.saved_ms, 1))
+            self.units.append(KeptUnit(p.name, None, speedup, noise, saved, 1))
             if p.sets_precision:  # applied on top of everything measured from now on
                 overlay = overlay_for([kp], self.ctx)
                 for slot in self.cap.slots:
@@ -547,11 +564,32 @@ class Run:
         else:
             self._reject_all()
         return Decision(p.name, keep, "kept" if keep else "rejected",
-                        (f"{note}; " if note else "whole step: ") + reason, speedup=m.speedup,
-                        noise=m.noise, max_abs_error=err, sites=descriptions,
-                        measurement=m.to_dict(), verification=detail, scope="step",
+                        (f"{note}; " if note else "whole step: ") + reason, speedup=speedup,
+                        noise=noise, max_abs_error=err, sites=descriptions,
+                        measurement=figures, verification=detail, scope="step",
                         objective=decided_by, peak_mb_before=memory.mb(peaks[0]),
                         peak_mb_after=memory.mb(peaks[1]))
+
+    def _step_key(self, p: Pass) -> str:
+        """The knowledge-base key of a whole-step decision: the pass against exactly this step
+        (the graphs as kept and with the candidate, the model's tensor shapes, the inputs, the
+        optimizer, device, mode, precision, versions)."""
+        job = self.job
+        tensors = [[n, list(t.shape), str(t.dtype)] for n, t in
+                   list(job.model.named_parameters()) + list(job.model.named_buffers())]
+        text = json.dumps({
+            "scope": "step", "pass": p.name, "version": p.version, "device": job.backend.name,
+            "mode": mode_of(self.ctx), "dtype": str(job.dtype) if job.dtype else None,
+            "kept": [kp.name for kp in self.kept],
+            "overlay": any(slot.overlay is not None for slot in self.cap.slots),
+            "graphs": plans.graph_hash(structure_signature(s.kept) for s in self.cap.slots),
+            "candidate": plans.graph_hash(structure_signature(s.candidate or s.kept)
+                                          for s in self.cap.slots),
+            "tensors": hashlib.sha256(json.dumps(tensors).encode()).hexdigest()[:16],
+            "inputs": plans.input_signature(job.args, job.kwargs),
+            "optimizer": type(job.optimizer).__name__ if job.optimizer is not None else None},
+            sort_keys=True)
+        return entry_key(text, job.backend.versions())
 
     # --- memory --------------------------------------------------------------------------------
     def _peaks(self, before: Step, after: Step, m: Any) -> tuple[int | None, int | None]:

@@ -372,3 +372,35 @@ def test_a_region_near_the_margin_is_measured_within_its_own_budget_then_its_fig
     assert not d.kept and d.status == "rejected"
     pairs = d.regions[0]["measurement"]["pairs"]
     assert gate.region_min_pairs <= pairs < 40  # 0.5 s of 0.1 s pairs, not 200 pairs
+
+
+class StepRelu(RewriteRelu):
+    """RewriteRelu decided on the whole step (as to_channels_last and cast_to_half are)."""
+
+    scope = "step"
+
+
+def _step_samples(clock, name):
+    return sum(1 for passes, scope in zip(clock.seen, clock.scopes) if scope == "step" and name in passes)
+
+
+def test_a_whole_step_decision_is_replayed_from_the_knowledge_base(tmp_path, blocks):
+    model, x = blocks
+    kb = tmp_path / "kb.json"
+    first_clock = ControlledClock({"s": 0.5})
+    first = _opt(model, (x,), [StepRelu("s")], first_clock, knowledge_base=kb)
+    d = _decision(first, "s")
+    assert d.kept and d.scope == "step" and "knowledge base" not in d.reason
+    measured = _step_samples(first_clock, "s")
+    clock = ControlledClock({"s": 0.5})
+    second = _opt(model, (x,), [StepRelu("s")], clock, knowledge_base=kb)
+    again = _decision(second, "s")
+    assert again.kept and "knowledge base, measured" in again.reason
+    assert again.speedup == pytest.approx(d.speedup, rel=1e-5)
+    # only the step check ran the pass: its fewest pairs, one sample each
+    assert _step_samples(clock, "s") == QUICK.min_pairs < measured
+    # the same ops on tensors of other shapes are another step: measured afresh
+    torch.manual_seed(1)
+    wider = _opt(Blocks(n=4, d=32).eval(), (torch.randn(8, 32),), [StepRelu("s")],
+                 ControlledClock({"s": 0.5}), knowledge_base=kb)
+    assert "knowledge base" not in _decision(wider, "s").reason
