@@ -92,6 +92,10 @@ def _confirm(self: Confirmation) -> bool:
         why = "the machine was busy" if m.busy else "the time budget ran out"
         reason = (f"inconclusive on the whole step: {why}; the kept decisions stand on their own "
                   "measurements")
+    elif not slower and m.speedup < _floor(r) and m.pairs < firm_pairs(r.settings.gate):
+        reason = (f"inconclusive on the whole step: the time budget ran out before a suspected "
+                  f"regression ({figure(m)}) could be confirmed on {firm_pairs(r.settings.gate)} "
+                  "pairs; the kept decisions stand on their own measurements")
     elif slower:
         reason = f"slower: {figure(m)}"  # units ran out (nothing left to revert)
     elif m.speedup - widths * m.noise > 1.0:
@@ -110,13 +114,18 @@ def _confirm(self: Confirmation) -> bool:
 
 
 def _slower(m: Measurement, r: "Run") -> bool:
-    """Measurably slower: clear of the noise, and by more than the regression margin."""
+    """Measurably slower: on firm pairs, clear of the noise, and by more than the margin."""
     g = r.settings.gate
-    # objective="memory" accepted rewrites up to memory_slowdown slower: only beyond that hurts
-    floor = g.regression if r.settings.objective == "time" else \
-        min(g.regression, 1.0 / (1.0 + r.settings.memory_slowdown))
-    return (m.pairs >= 2 and not m.busy and m.speedup < floor
+    return (m.pairs >= firm_pairs(g) and not m.busy and m.speedup < _floor(r)
             and m.speedup + g.noise_widths * m.noise < 1.0)
+
+
+def _floor(r: "Run") -> float:
+    """Below this the composed step counts as slower. objective="memory" accepted rewrites up
+    to memory_slowdown slower: only beyond that hurts."""
+    g = r.settings.gate
+    return g.regression if r.settings.objective == "time" else \
+        min(g.regression, 1.0 / (1.0 + r.settings.memory_slowdown))
 
 
 def _measure(self: Confirmation) -> Measurement:
@@ -125,29 +134,38 @@ def _measure(self: Confirmation) -> Measurement:
     # Both models ran just before (the reference, the capture check and the composed check): no
     # warm-up. (A fused optimizer twin allocates its state in its first timed step: a few ms
     # in one sample of a step, which the median of the pairs does not see.)
+    # A suspected regression gets its firm pairs even where they outlast the gate's budget of
+    # one comparison (a 1.3 s step: 8 pairs are 21 s).
     once = dataclasses.replace(g, warmup=0, warmup_seconds=0.0, max_warmup=0,
-                               min_pairs=min(g.min_pairs, g.confirm_pairs))
+                               min_pairs=min(g.min_pairs, g.confirm_pairs),
+                               budget_seconds=max(g.budget_seconds,
+                                                  1.25 * 2 * firm_pairs(g) * r.step_seconds))
     # The budget holds the confirmation's reserve back; past it, the step check takes only the
     # fewest pairs (and inconclusive stays inconclusive: the region decisions stand).
     deadline = None if r.deadline is None else max(r.deadline, time.perf_counter() + r._confirm_reserve())
     m = measure(r.original_step(), r.composed_step(), clock=r.clock, settings=once, min_speedup=1.0,
-                deadline=deadline, enough=lambda m: _answered(m, g))
+                deadline=deadline, enough=lambda m: _answered(m, g, _floor(r)))
     r.snapshot.restore()
     return m
 
 
-def _answered(m: Measurement, g: GateSettings) -> bool:
+def _answered(m: Measurement, g: GateSettings, floor: float) -> bool:
     """The step check asks one question: is the composed step measurably slower? Its fewest
-    pairs answer "no" when they do not point below the regression margin. A suspected
+    pairs answer "no" when they do not point below ``floor`` (the regression margin). A suspected
     regression is what reverts kept decisions, so it needs firmer figures: at least twice the
     fewest pairs, then more until it is clear of the noise (up to the gate's budget). A noise
     estimate from four ratios is too often too small: on a quiet machine, four pairs read
     0.94x ±0.016 once and would have reverted a fused AdamW 2.8x faster on its own step."""
-    if m.speedup >= g.regression:
+    if m.speedup >= floor:
         return True
-    if m.pairs < 2 * g.confirm_pairs:
+    if m.pairs < firm_pairs(g):
         return False
     return m.speedup + g.noise_widths * m.noise < 1.0
+
+
+def firm_pairs(g: GateSettings) -> int:
+    """The fewest pairs a regression is believed on (the gate's max_pairs caps it)."""
+    return min(2 * g.confirm_pairs, g.max_pairs)
 
 
 def _verified(self: Confirmation) -> bool:

@@ -404,3 +404,23 @@ def test_a_whole_step_decision_is_replayed_from_the_knowledge_base(tmp_path, blo
     wider = _opt(Blocks(n=4, d=32).eval(), (torch.randn(8, 32),), [StepRelu("s")],
                  ControlledClock({"s": 0.5}), knowledge_base=kb)
     assert "knowledge base" not in _decision(wider, "s").reason
+
+
+def test_a_regression_is_only_believed_on_firm_pairs():
+    """Too few pairs pointing slower (the time budget cut the step check short) revert nothing."""
+    from types import SimpleNamespace
+
+    from rewriter.confirm import _slower, firm_pairs
+    from rewriter.pipeline import Settings
+    run = SimpleNamespace(settings=Settings(gate=GateSettings()))
+    g = run.settings.gate
+
+    def slower_on(pairs):
+        m = Measurement(baseline_times=[0.10] * pairs, candidate_times=[0.13] * pairs)
+        return _slower(m, run)
+    assert firm_pairs(g) == 2 * g.confirm_pairs
+    assert not slower_on(firm_pairs(g) - 1)
+    assert slower_on(firm_pairs(g))
+    # under objective="memory" only what is slower than memory_slowdown allowed counts
+    run.settings.objective, run.settings.memory_slowdown = "memory", 0.5
+    assert not slower_on(firm_pairs(g))
