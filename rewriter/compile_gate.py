@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from rewriter import plan as plans
 from rewriter.executors import Executor, compiled_runner, executors_for, has_dropout
 from rewriter.capture import DynamoCapture, FxCapture
-from rewriter.gate import Step, decide, measure, verdict
+from rewriter.gate import Step, decide, known_verdict, measure
 from rewriter.ir import structure_signature
 from rewriter.job import switched
 from rewriter.knowledge import entry_key
@@ -97,10 +97,7 @@ class CompileGate:
         known = r.settings.knowledge_base.get(key)
         g = r.settings.gate
         if known is not None:
-            keep, reason = verdict(known["speedup"], known["noise"], known["pairs"],
-                                   r.settings.min_speedup, g.noise_widths, known["baseline_ms"],
-                                   known["candidate_ms"])
-            reason = f"{reason} (knowledge base, measured {known.get('recorded', '')})"
+            keep, reason = known_verdict(known, r.settings.min_speedup, g.noise_widths)
             m_dict = dict(known)
         else:
             # Compiling was asked for: past the budget, still time for the fewest pairs of the
@@ -113,7 +110,7 @@ class CompileGate:
             r.snapshot.restore()
             keep, reason = decide(m, r.settings.min_speedup, g.noise_widths)
             m_dict = m.to_dict()
-            if not m.busy and not m.out_of_time and m.pairs >= g.min_pairs:
+            if m.storable(g.min_pairs):
                 r.settings.knowledge_base.put(key, {**m_dict, "pass": NAME, "executor": ex.name})
         m_dict["compile_seconds"] = round(compile_s, 3)
         d = Decision(NAME, keep, "kept" if keep else "rejected",

@@ -184,6 +184,10 @@ class Measurement:
     def saved_ms(self) -> float:
         return self.baseline_ms - self.candidate_ms
 
+    def storable(self, min_pairs: int) -> bool:
+        """Worth a knowledge-base entry: completed on enough pairs, not spoiled by a busy machine."""
+        return not self.busy and not self.out_of_time and self.pairs >= min_pairs
+
     def to_dict(self) -> dict:
         return {"speedup": _finite(self.speedup), "noise": _finite(self.noise), "pairs": self.pairs,
                 "baseline_ms": _finite(self.baseline_ms), "candidate_ms": _finite(self.candidate_ms),
@@ -298,6 +302,14 @@ def verdict(speedup: float, noise: float, pairs: int, min_speedup: float, noise_
         return False, "no measurement"
     return _verdict(speedup, noise, min_speedup, noise_widths,
                     _figure(speedup, noise, pairs, baseline_ms, candidate_ms))
+
+
+def known_verdict(known: dict, min_speedup: float, noise_widths: float) -> tuple[bool, str]:
+    """:func:`verdict` for a knowledge-base entry (rewriter.knowledge), under today's margin;
+    the reason says where the figures came from."""
+    keep, reason = verdict(known["speedup"], known["noise"], known["pairs"], min_speedup,
+                           noise_widths, known["baseline_ms"], known["candidate_ms"])
+    return keep, f"{reason} (knowledge base, measured {known.get('recorded', '')})"
 
 
 def _verdict(s: float, n: float, min_speedup: float, noise_widths: float, text: str) -> tuple[bool, str]:

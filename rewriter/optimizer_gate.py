@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from rewriter import optimizers
-from rewriter.gate import Clock, GateSettings, Step, decide, measure, verdict
+from rewriter.gate import Clock, GateSettings, Step, decide, known_verdict, measure
 from rewriter.knowledge import KnowledgeBase, entry_key
 from rewriter.job import Job
 from rewriter.report import Decision
@@ -69,9 +69,7 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
         known = knowledge_base.get(key) if knowledge_base is not None else None
         if known is not None:
             figures, speedup, noise = known, known["speedup"], known["noise"]
-            keep, reason = verdict(known["speedup"], known["noise"], known["pairs"], min_speedup,
-                                   settings.noise_widths, known["baseline_ms"], known["candidate_ms"])
-            reason += f" (knowledge base, measured {known.get('recorded', '')})"
+            keep, reason = known_verdict(known, min_speedup, settings.noise_widths)
         else:
             base, _ = optimizers.scratch_optimizer(job.optimizer, None, seed=1)
             fused, _ = optimizers.scratch_optimizer(job.optimizer, cand, seed=1)
@@ -80,8 +78,7 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
                         clock=clock, settings=settings, min_speedup=min_speedup, deadline=deadline)
             keep, reason = decide(m, min_speedup, settings.noise_widths)
             figures, speedup, noise = m.to_dict(), m.speedup, m.noise
-            if knowledge_base is not None and not m.busy and not m.out_of_time \
-                    and m.pairs >= settings.min_pairs:
+            if knowledge_base is not None and m.storable(settings.min_pairs):
                 knowledge_base.put(key, {**figures, "pass": "fuse_optimizer",
                                          "example": cand.description})
         decision = Decision("fuse_optimizer", keep, "kept" if keep else "rejected",

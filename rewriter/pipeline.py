@@ -38,7 +38,7 @@ from rewriter.compile_gate import CompileGate
 from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot, capture
 from rewriter.confirm import Confirmation, KeptUnit
 from rewriter.errors import CaptureError, PlanError
-from rewriter.gate import Clock, GateSettings, Step, decide, device_clock, figure, measure, verdict
+from rewriter.gate import Clock, GateSettings, Step, decide, device_clock, figure, known_verdict, measure
 from rewriter.ir import structure_signature
 from rewriter.job import VERIFY_SEED, Job, switched
 from rewriter.kept import KeptPass, apply_sites, build, mode_of, overlay_for
@@ -419,13 +419,12 @@ class Run:
                                              precision), self.job.backend.versions())
         known = self.settings.knowledge_base.get(key)
         if known is not None:
-            keep, reason = verdict(known["speedup"], known["noise"], known["pairs"],
-                                   self.settings.min_speedup, self.settings.gate.noise_widths,
-                                   known["baseline_ms"], known["candidate_ms"])
+            keep, reason = known_verdict(known, self.settings.min_speedup,
+                                         self.settings.gate.noise_widths)
             keep, reason = self._negligible(
                 keep, reason, (known["baseline_ms"] - known["candidate_ms"]) * len(members))
             row.update(kept=keep, status="kept" if keep else "rejected", source="knowledge base",
-                       reason=f"{reason} (knowledge base, measured {known.get('recorded', '')})",
+                       reason=reason,
                        speedup=known["speedup"], noise=known["noise"], measurement=known,
                        region_ms_before=known["baseline_ms"], region_ms_after=known["candidate_ms"],
                        saved_ms_per_step=(known["baseline_ms"] - known["candidate_ms"]) * len(members))
@@ -444,7 +443,7 @@ class Run:
                    reason=reason, speedup=m.speedup, noise=m.noise, measurement=m.to_dict(),
                    region_ms_before=m.baseline_ms, region_ms_after=m.candidate_ms,
                    saved_ms_per_step=m.saved_ms * len(members))
-        if not m.busy and m.pairs >= self.settings.gate.min_pairs:
+        if m.storable(self.settings.gate.min_pairs):
             self.settings.knowledge_base.put(key, {**m.to_dict(), "pass": p.name, "example": first.label})
         return row
 
@@ -529,10 +528,8 @@ class Run:
         key = self._step_key(p) if self.settings.objective == "time" else None
         known = self.settings.knowledge_base.get(key) if key else None
         if known is not None:
-            keep, reason = verdict(known["speedup"], known["noise"], known["pairs"],
-                                   self.settings.min_speedup, self.settings.gate.noise_widths,
-                                   known["baseline_ms"], known["candidate_ms"])
-            reason += f" (knowledge base, measured {known.get('recorded', '')})"
+            keep, reason = known_verdict(known, self.settings.min_speedup,
+                                         self.settings.gate.noise_widths)
             speedup, noise, figures, decided_by = known["speedup"], known["noise"], known, "time"
             saved = _saved(known)
             peaks: tuple[int | None, int | None] = (None, None)
@@ -547,7 +544,7 @@ class Run:
                                 self._variant_step(True, base + (p.name,), "candidate"), m)
             keep, reason, decided_by = self._by_objective(m, keep, reason, peaks)
             speedup, noise, figures, saved = m.speedup, m.noise, m.to_dict(), m.saved_ms
-            if key and not m.busy and not m.out_of_time and m.pairs >= self.settings.gate.min_pairs:
+            if key and m.storable(self.settings.gate.min_pairs):
                 self.settings.knowledge_base.put(key, {**figures, "pass": p.name, "example": "whole step"})
         if keep:
             kp = KeptPass(p)
