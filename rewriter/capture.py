@@ -195,6 +195,7 @@ class DynamoCapture(Capture):
         # would then take the model for one the user compiled).
         plain_compile = inspect.unwrap(torch.compile)
         self.compiled = plain_compile(model, backend=self._backend, dynamic=None)
+        self._ignored_logging = _once_logging_functions()  # once: __call__ runs every step
 
     def _backend(self, gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self.left_as_modules += functionalize_leaf_modules(gm)
@@ -212,7 +213,7 @@ class DynamoCapture(Capture):
         return slot
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(ignore_logging_functions=_once_logging_functions()):
+        with torch._dynamo.config.patch(ignore_logging_functions=self._ignored_logging):
             return self.compiled(*args, **kwargs)
 
 

@@ -151,8 +151,7 @@ def _finite_peak(w: torch.Tensor) -> float:
 
 
 def compare_tensors(got: torch.Tensor, want: torch.Tensor, tol: Tolerance, where: str,
-                    scale_floor: float = 0.0, peak: float | None = None) -> Comparison:
-    """``peak``: want's largest finite |value|, where the caller has it already."""
+                    scale_floor: float = 0.0) -> Comparison:
     if got.shape != want.shape:
         return Comparison(False, math.inf, math.inf, where, f"{where}: shape {tuple(got.shape)} != {tuple(want.shape)}")
     if not (want.is_floating_point() or want.is_complex()):
@@ -166,20 +165,19 @@ def compare_tensors(got: torch.Tensor, want: torch.Tensor, tol: Tolerance, where
     wide = torch.promote_types(torch.promote_types(got.dtype, want.dtype), torch.float32)
     g, w = got.detach().to(wide), want.detach().to(wide)
     abs_w = w.abs()
-    whole = float(abs_w.max())  # finite exactly when every element of want is
-    if not math.isfinite(whole):
+    scale = float(abs_w.max())  # finite exactly when every element of want is
+    if not math.isfinite(scale):
         finite = torch.isfinite(w)
         if bool((~torch.isfinite(g) & finite).any()):
             return Comparison(False, math.inf, math.inf, where, f"{where}: non-finite values where the original is finite")
         if not bool(finite.any()):
             return Comparison(True, 0.0, 0.0, where)
         g, w, abs_w = g[finite], w[finite], abs_w[finite]
-        whole = float(abs_w.max())
+        scale = float(abs_w.max())  # the largest finite |value| of want
     diff = torch.sub(g, w).abs_()
     max_abs = float(diff.max())
     if not math.isfinite(max_abs) and not bool(torch.isfinite(g).all()):
         return Comparison(False, math.inf, math.inf, where, f"{where}: non-finite values where the original is finite")
-    scale = whole if peak is None else peak
     atol = tol.atol_scale * max(scale, scale_floor)
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
     if max_abs <= atol:  # within the absolute bound everywhere: no element can be off
@@ -204,17 +202,14 @@ def compare_runs(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
         return Comparison(False, math.inf, math.inf, "",
                           f"different tensors: missing {missing[:5]}, unexpected {extra[:5]}")
     floors: dict[str, float] = {}
-    peaks: dict[str, float] = {}
     for name, w in want.items():
         if w.is_floating_point() and w.numel():
-            peaks[name] = _finite_peak(w.detach())
             group = name.split(" ", 1)[0]
-            floors[group] = max(floors.get(group, 0.0), 0.01 * peaks[name])
+            floors[group] = max(floors.get(group, 0.0), 0.01 * _finite_peak(w.detach()))
     worst = Comparison(True)
     judged: list[str] = []  # passed by the yardstick
     for name, w in want.items():
-        c = compare_tensors(got[name], w, tol, name, floors.get(name.split(" ", 1)[0], 0.0),
-                            peak=peaks.get(name))
+        c = compare_tensors(got[name], w, tol, name, floors.get(name.split(" ", 1)[0], 0.0))
         if not c.ok and yardstick is not None and name in yardstick.values:
             c = _within_yardstick(c, got[name], w, yardstick.values[name], yardstick)
         if not c.ok:
