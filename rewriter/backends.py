@@ -200,6 +200,26 @@ class CpuBackend(_SdpaAttention, Backend):
     def is_available(self) -> bool:
         return True
 
+    def versions(self) -> dict[str, str]:
+        """With the CPU model and torch's thread count: a decision measured on an AMX Xeon with
+        16 threads says nothing about an AVX2 EPYC with 2 (plans and the knowledge base are keyed
+        on these, and a home directory may be shared between machines)."""
+        return {"torch": torch.__version__, "cpu": cpu_model(), "threads": str(torch.get_num_threads())}
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (the platform's description elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "cpu model"):
+                    return value.strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
 
 def cpu_has_native_bf16() -> bool:
     """oneDNN's own check for AVX512-BF16/AMX (False where torch has no mkldnn)."""
@@ -226,7 +246,9 @@ class CudaBackend(_SdpaAttention, Backend):
         return [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 
     def versions(self) -> dict[str, str]:
-        return {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
+        """With the GPU's name: an H200's decisions are not an A10's."""
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "absent"
+        return {"torch": torch.__version__, "cuda": str(torch.version.cuda), "gpu": gpu}
 
     def rng_states(self) -> list[tuple[Any, Any]]:
         return [(torch.cuda, torch.cuda.get_rng_state_all())] if torch.cuda.is_available() else []
@@ -293,7 +315,14 @@ class NpuBackend(Backend):
 
     def versions(self) -> dict[str, str]:
         mod = import_torch_npu()
-        return {"torch": torch.__version__, "torch_npu": getattr(mod, "__version__", "absent")}
+        chip = "absent"
+        if mod is not None and hasattr(torch, "npu"):
+            try:
+                chip = str(torch.npu.get_device_name())  # e.g. "Ascend910B3"
+            except (AttributeError, RuntimeError):
+                pass
+        return {"torch": torch.__version__, "torch_npu": getattr(mod, "__version__", "absent"),
+                "chip": chip}
 
     def rng_states(self) -> list[tuple[Any, Any]]:
         mod = import_torch_npu()

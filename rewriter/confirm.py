@@ -13,6 +13,12 @@ decisions predict beside it::
   lower confidence bound) first, re-timing after each removal, instead of returning the
   original wholesale. Only what the step shows to hurt is reverted.
 * a busy machine spoiled the step comparison: the region decisions stand; the report says so.
+
+A step check that found no regression is stored in the knowledge base under exactly that
+composed step (``Run.confirmation_key``: the original and composed graphs, the fused optimizer,
+the model's tensors, the inputs, device, mode, versions), and replayed when the same decisions
+compose the same step again: a run whose decisions all come from the knowledge base times no
+whole step. The composed model is still verified in every run.
 """
 from __future__ import annotations
 
@@ -69,7 +75,9 @@ def _confirm(self: Confirmation) -> bool:
                           "reason": "the composed model failed verification: " + "; ".join(self.reverted)}
         return False
     widths = r.settings.gate.noise_widths
-    m = _measure(self)
+    key = r.confirmation_key() if r.settings.objective == "time" else None
+    known = _known(r, key)
+    m = known[0] if known else _measure(self)
     slower = _slower(m, r)
     first = m
     while slower and r.units:
@@ -105,12 +113,34 @@ def _confirm(self: Confirmation) -> bool:
         reason = (f"the step's noise cannot resolve the predicted saving of {predicted:.2f} ms a step "
                   f"({share:.1f}% of {m.baseline_ms:.1f} ms): {figure(m)}; kept on the region "
                   "and own-step measurements")
+    if known:
+        reason += f" (knowledge base, measured {known[1]})"
+        final["source"] = "knowledge base"
+    elif key and not self.reverted and not slower and m.storable(r.settings.gate.confirm_pairs) \
+            and m.speedup >= _floor(r):
+        r.settings.knowledge_base.put(key, {**m.to_dict(), "pass": "(step check)",
+                                            "example": "whole step", "baseline_times": m.baseline_times,
+                                            "candidate_times": m.candidate_times})
     if self.reverted:
         reason = (f"the composed step was slower ({figure(first)}); reverted by ablation: "
                   f"{', '.join(self.reverted)}; then " + reason)
     final.update(kept=True, reason=reason)
     r.report.final = final
     return True
+
+
+def _known(r: "Run", key: str | None) -> tuple[Measurement, str] | None:
+    """The step check of exactly this composed step from the knowledge base: its samples, and
+    when they were measured. Only a check that found no regression is stored (one that led to
+    an ablation is measured again: reverting needs today's figures)."""
+    known = r.settings.knowledge_base.get(key) if key else None
+    if not known or not known.get("baseline_times") or not known.get("candidate_times"):
+        return None
+    m = Measurement(list(known["baseline_times"]), list(known["candidate_times"]),
+                    outlier_factor=r.settings.gate.outlier_factor)
+    if _slower(m, r) or m.speedup < _floor(r):
+        return None
+    return m, known.get("recorded", "")
 
 
 def _slower(m: Measurement, r: "Run") -> bool:

@@ -50,7 +50,7 @@ from rewriter.record import Recorder, Recorded
 from rewriter.reference import Reference
 from rewriter.region import Region, dtype_of_region, find_regions
 from rewriter.report import Decision, Report
-from rewriter.site_gate import measure_region, verify_region
+from rewriter.site_gate import measure_region, original_ms, verify_region
 from rewriter.state import preserved_state
 from rewriter.verify import Comparison, compare_runs, tolerance_for
 
@@ -433,6 +433,10 @@ class Run:
             row.update(status="not reached", reason="the time budget ran out before measuring it")
             return row
         slot, r = members[0]
+        too_small = self._too_small_to_measure(r, self._values(values, slot, r), overlay, len(members))
+        if too_small:
+            row.update(status="rejected", source="measured", reason=too_small)
+            return row
         with self._phase("measure"):
             m = measure_region(r, self._values(values, slot, r), self.job.training, clock=self.clock,
                                settings=self.settings.gate, min_speedup=self.settings.min_speedup,
@@ -463,6 +467,22 @@ class Run:
             return False, (f"negligible: saves {saved_ms:.4f} ms of a ~{step_ms:.0f} ms step "
                            f"(under {100 * self.settings.gate.negligible:g}%); {reason}")
         return keep, reason
+
+    def _too_small_to_measure(self, r: Region, values: list[Recorded], overlay: Any,
+                              sites: int) -> str:
+        """Why the region is not worth an A/B comparison ("" when it is): the original itself,
+        at every site, takes less than a negligible share of the step, so no replacement could
+        save what the gate would keep."""
+        step_ms = 1e3 * self.step_seconds
+        if step_ms <= 0 or self.settings.gate.negligible <= 0:
+            return ""
+        with self._phase("measure"):
+            once = original_ms(r, values, self.job.training, clock=self.clock, forms=self._forms(r, overlay))
+        if once * sites >= self.settings.gate.negligible * step_ms:
+            return ""
+        return (f"negligible: the original region takes {once:.4f} ms a call, {once * sites:.4f} ms "
+                f"at its {sites} site(s) of a ~{step_ms:.0f} ms step (under "
+                f"{100 * self.settings.gate.negligible:g}%): not measured against its replacement")
 
     @staticmethod
     def _values(values: dict[str, dict[str, Recorded]], slot: GraphSlot, r: Region) -> list[Recorded]:
@@ -571,17 +591,32 @@ class Run:
         """The knowledge-base key of a whole-step decision: the pass against exactly this step
         (the graphs as kept and with the candidate, the model's tensor shapes, the inputs, the
         optimizer, device, mode, precision, versions)."""
-        job = self.job
-        tensors = [[n, list(t.shape), str(t.dtype)] for n, t in
-                   list(job.model.named_parameters()) + list(job.model.named_buffers())]
-        text = json.dumps({
-            "scope": "step", "pass": p.name, "version": p.version, "device": job.backend.name,
-            "mode": mode_of(self.ctx), "dtype": str(job.dtype) if job.dtype else None,
+        return self._step_entry_key({
+            "scope": "step", "pass": p.name, "version": p.version,
             "kept": [kp.name for kp in self.kept],
             "overlay": any(slot.overlay is not None for slot in self.cap.slots),
             "graphs": plans.graph_hash(structure_signature(s.kept) for s in self.cap.slots),
             "candidate": plans.graph_hash(structure_signature(s.candidate or s.kept)
-                                          for s in self.cap.slots),
+                                          for s in self.cap.slots)})
+
+    def confirmation_key(self) -> str:
+        """The knowledge-base key of the step check: the original against exactly this composed
+        step (the graphs as they run, with the precision overlay; the fused optimizer)."""
+        return self._step_entry_key({
+            "scope": "confirm", "versions": {kp.name: kp.pass_.version for kp in self.kept},
+            "original": plans.graph_hash(structure_signature(s.original) for s in self.cap.slots),
+            "composed": plans.graph_hash(structure_signature(s.kept_run) for s in self.cap.slots),
+            "fused_optimizer": self.fused_opt.description if self.fused_opt else None})
+
+    def _step_entry_key(self, what: dict) -> str:
+        """``what`` on this step: device, mode, precision, the model's tensor shapes, the
+        inputs, the optimizer, the software versions."""
+        job = self.job
+        tensors = [[n, list(t.shape), str(t.dtype)] for n, t in
+                   list(job.model.named_parameters()) + list(job.model.named_buffers())]
+        text = json.dumps({
+            **what, "device": job.backend.name, "mode": mode_of(self.ctx),
+            "dtype": str(job.dtype) if job.dtype else None,
             "tensors": hashlib.sha256(json.dumps(tensors).encode()).hexdigest()[:16],
             "inputs": plans.input_signature(job.args, job.kwargs),
             "optimizer": type(job.optimizer).__name__ if job.optimizer is not None else None},

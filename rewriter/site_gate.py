@@ -149,6 +149,18 @@ def measure_region(region: Region, values: list[Recorded], training: bool, *, cl
                        deadline=deadline)
 
 
+def original_ms(region: Region, values: list[Recorded], training: bool, *, clock: Clock,
+                forms: tuple[GraphModule, GraphModule] | None = None) -> float:
+    """Milliseconds of one call of the original region (the fastest of three, after a first
+    call): what a replacement could save at most. A region cheaper than the saving that would
+    matter is not worth an A/B comparison (index arithmetic of a few microseconds)."""
+    call = RegionCall((forms or (region.before, region.after))[0], values, training)
+    once = Step(_repeated(call, 1), (), "original region", scope="region")
+    with torch.random.fork_rng(devices=[]):
+        call()
+        return 1e3 * min(clock.time(once) for _ in range(3))
+
+
 def calibrate(clock: Clock, once: Step, target_seconds: float, max_reps: int = 10_000) -> int:
     """Repetitions per sample so that one sample lasts about ``target_seconds``."""
     t = min(clock.time(once) for _ in range(3))

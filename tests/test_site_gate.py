@@ -201,10 +201,42 @@ def test_the_step_check_takes_its_fewest_pairs_unless_they_point_to_a_regression
     assert _opt(model, (x,), [RewriteRelu("a")], quiet).report.final["kept"]
     assert _step_pairs(quiet) == QUICK.min_pairs
     # the step points 3 % slower inside a wide noise: more pairs before any ablation
-    unclear = ControlledClock({"a": 0.5}, step_costs={"a": 1.05}, jitter=0.3)
+    # (jitter 0.2: no sample is ever over 1.5x its variant's lower decile, none is flagged)
+    unclear = ControlledClock({"a": 0.5}, step_costs={"a": 1.05}, jitter=0.2)
     fast = _opt(model, (x,), [RewriteRelu("a")], unclear)
     assert _step_pairs(unclear) > QUICK.min_pairs
-    assert fast.report.final["measurement"]["pairs"] == _step_pairs(unclear)
+    m = fast.report.final["measurement"]
+    assert not m["remeasured"] and m["pairs"] == _step_pairs(unclear)
+
+
+def test_a_step_check_that_led_to_an_ablation_is_measured_again_next_time(tmp_path, blocks):
+    model, x = blocks
+    kb = tmp_path / "kb.json"
+    costs = dict(costs={"a": 0.5, "b": 0.8}, step_costs={"a": 0.9, "b": 1.5})
+    first = _opt(model, (x,), [RewriteRelu("a"), RewriteRelu("b")], ControlledClock(**costs),
+                 knowledge_base=kb)
+    assert first.report.final["reverted"]
+    clock = ControlledClock(**costs)
+    again = _opt(model, (x,), [RewriteRelu("a"), RewriteRelu("b")], clock, knowledge_base=kb)
+    # the regions come from the knowledge base, the step check is timed: b is reverted again
+    assert _decision(again, "b").regions[0]["source"] == "knowledge base"
+    assert _step_pairs(clock) > 0 and again.report.final.get("source") != "knowledge base"
+    assert again.report.kept_passes == ["a"] and "reverted by ablation" in again.report.final["reason"]
+
+
+def test_a_region_too_cheap_to_matter_is_not_measured_against_its_replacement(blocks):
+    import dataclasses
+    model, x = blocks
+    # one call of the original region: 1 microsecond; 4 sites cannot save half of any step
+    clock = ControlledClock({"a": 0.5}, base=1e-6)
+    gate = dataclasses.replace(QUICK, negligible=0.5)
+    fast = rewriter.optimize(model, (x,), passes=[RewriteRelu("a")], clock=clock, gate=gate,
+                             profile=False, progress=False, knowledge_base=False)
+    d = _decision(fast, "a")
+    assert not d.kept and d.status == "rejected" and d.reason.startswith("region, 4 site(s): negligible")
+    assert "not measured against its replacement" in d.reason
+    region_samples = [p for p, scope in zip(clock.seen, clock.scopes) if scope == "region"]
+    assert region_samples == [()] * 3  # three runs of the original, the replacement never timed
 
 
 def test_a_suspected_regression_is_measured_on_twice_the_fewest_pairs_before_any_ablation(blocks):
@@ -370,7 +402,8 @@ def test_a_region_near_the_margin_is_measured_within_its_own_budget_then_its_fig
                              profile=False, progress=False, knowledge_base=False)
     d = _decision(fast, "a")
     assert not d.kept and d.status == "rejected"
-    pairs = d.regions[0]["measurement"]["pairs"]
+    m = d.regions[0]["measurement"]
+    pairs = m["pairs"] + m["flagged"]  # the pairs taken (a flagged one is left out of the figures)
     assert gate.region_min_pairs <= pairs < 40  # 0.5 s of 0.1 s pairs, not 200 pairs
 
 
@@ -397,8 +430,10 @@ def test_a_whole_step_decision_is_replayed_from_the_knowledge_base(tmp_path, blo
     again = _decision(second, "s")
     assert again.kept and "knowledge base, measured" in again.reason
     assert again.speedup == pytest.approx(d.speedup, rel=1e-5)
-    # only the step check ran the pass: its fewest pairs, one sample each
-    assert _step_samples(clock, "s") == QUICK.min_pairs < measured
+    # and so is the step check of the same composed step: no step is timed at all
+    assert measured > 0 and _step_samples(clock, "s") == 0
+    assert "knowledge base, measured" in second.report.final["reason"]
+    assert second.report.final["source"] == "knowledge base"
     # the same ops on tensors of other shapes are another step: measured afresh
     torch.manual_seed(1)
     wider = _opt(Blocks(n=4, d=32).eval(), (torch.randn(8, 32),), [StepRelu("s")],
