@@ -300,7 +300,8 @@ class Run:
         cap = self.cap
         self.ctx.declined.clear()  # sites the pass matches but declines record why here
         try:
-            sites = {slot.name: slot.try_pass(p, self.ctx) for slot in cap.slots}
+            with self._phase("rewrite"):  # finding the sites, building the candidate graphs
+                sites = {slot.name: slot.try_pass(p, self.ctx) for slot in cap.slots}
         except Exception as e:
             self._reject_all()
             return Decision(p.name, False, "raised", f"{type(e).__name__}: {e}", scope=p.scope)
@@ -311,7 +312,8 @@ class Run:
                             scope=p.scope)
         log.info("rewriter: %s: %d site(s)", p.name, len(descriptions))
         if p.scope == "site":
-            regions, why = self._regions(p, sites)
+            with self._phase("rewrite"):
+                regions, why = self._regions(p, sites)
             if regions is not None:
                 return self._try_on_regions(p, regions, descriptions)
             return self._try_on_step(p, descriptions, note=f"measured on the whole step: {why}")

@@ -32,7 +32,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_aggregate
 
-from rewriter.ir import tensor_info, writes_in_place
+from rewriter.ir import lazy_graph_module, tensor_info, writes_in_place
 from rewriter.pass_api import Site
 
 _NODE = object()  # stands for a node argument when comparing what two nodes compute
@@ -218,7 +218,7 @@ def _standalone(root: GraphModule, body: list[Node], inputs: list[str], outputs:
     for n in body:
         env[n.name] = g.node_copy(n, lambda a: env[a.name])
     g.output(tuple(env[o.name] for o in outputs))
-    return GraphModule(root, g, class_name="Region")
+    return lazy_graph_module(root, g, "Region")
 
 
 def _describe_input(n: Node) -> str:

@@ -135,7 +135,9 @@ class Report:
             lines += ["", f"Whole step, original vs composed: {_cell(self.final.get('reason', ''))}"]
         lines += _memory_lines(self)
         if self.phases:
-            lines += ["", "time per phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())]
+            other = (self.optimize_seconds or 0.0) - sum(self.phases.values())
+            lines += ["", "time per phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
+                      + (f", other {other:.1f} s" if other >= 0.05 else "")]
         for title, rows in (("Top operators before", self.top_ops_before),
                             ("Top operators after", self.top_ops_after)):
             if rows:

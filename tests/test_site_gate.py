@@ -305,7 +305,7 @@ def test_the_report_shows_signatures_and_phases(blocks):
     fast = _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 0.5}))
     md = fast.report.to_markdown()
     assert "## Regions" in md and "4 sites" in md
-    for phase in ("capture", "record", "verify", "measure", "confirm"):
+    for phase in ("capture", "rewrite", "record", "verify", "measure", "confirm"):
         assert phase in fast.report.phases
     assert "time per phase" in md
 
