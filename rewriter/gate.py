@@ -109,6 +109,7 @@ class GateSettings:
     region_budget_seconds: float = 1.5
     negligible: float = 0.001    # a region saving less than this share of the step is not kept
     confirm_pairs: int = 4  # the step check: fewest pairs (the models ran warm just before)
+    confirm_unanimous_pairs: int = 2  # ... fewer when every one of these points faster
     outlier_factor: float = 1.5  # a sample this many times its variant's lower decile is flagged
     max_flagged: float = 0.25    # more flagged pairs than this: measure again, then inconclusive
     regression: float = 0.98     # the step check reverts only below this ratio (and the noise)
@@ -215,13 +216,15 @@ def _conclusive(m: Measurement, min_speedup: float, widths: float) -> bool:
 
 def measure(baseline: Step, candidate: Step, *, clock: Clock, settings: GateSettings,
             min_speedup: float = 1.0, deadline: float | None = None,
-            enough: Callable[[Measurement], bool] | None = None) -> Measurement:
+            enough: Callable[[Measurement], bool] | None = None,
+            early: Callable[[Measurement], bool] | None = None) -> Measurement:
     """Interleaved A/B timing of two variants; stops early once the result is conclusive, at
     the settings' budget, or at ``deadline`` (a ``time.perf_counter()`` value), after
     ``min_pairs`` in any case. Too many flagged samples: measured once more (see the module).
 
     ``enough``: when the pairs so far answer the caller's question (default: more pairs could
-    not change the keep/reject decision under ``min_speedup``)."""
+    not change the keep/reject decision under ``min_speedup``). ``early``: when fewer than
+    ``min_pairs`` pairs, none flagged, already answer it (the step check's unanimous pairs)."""
     warm_start = time.perf_counter()
     for i in range(max(settings.warmup, settings.max_warmup)):
         if i >= settings.warmup and time.perf_counter() - warm_start >= settings.warmup_seconds:
@@ -231,14 +234,14 @@ def measure(baseline: Step, candidate: Step, *, clock: Clock, settings: GateSett
     if enough is None:
         def enough(m: Measurement) -> bool:
             return _conclusive(m, min_speedup, settings.noise_widths)
-    m = _pairs(baseline, candidate, clock, settings, enough, deadline)
+    m = _pairs(baseline, candidate, clock, settings, enough, deadline, early=early)
     if m.flagged_fraction > settings.max_flagged and not m.out_of_time \
             and (deadline is None or time.perf_counter() < deadline):
         log.info("rewriter: %s vs %s: %d of %d samples far above their variant's usual time (a busy "
                  "machine?); measuring again", baseline.label, candidate.label, sum(m.flagged),
                  len(m.flagged))
         earlier = (m.baseline_times, m.candidate_times)
-        m = _pairs(baseline, candidate, clock, settings, enough, deadline, earlier)
+        m = _pairs(baseline, candidate, clock, settings, enough, deadline, earlier, early)
         m.remeasured = True
         m.busy = m.flagged_fraction > settings.max_flagged
     elif m.flagged_fraction > settings.max_flagged:
@@ -248,7 +251,8 @@ def measure(baseline: Step, candidate: Step, *, clock: Clock, settings: GateSett
 
 def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings,
            enough: Callable[[Measurement], bool], deadline: float | None,
-           earlier: tuple[list[float], list[float]] | None = None) -> Measurement:
+           earlier: tuple[list[float], list[float]] | None = None,
+           early: Callable[[Measurement], bool] | None = None) -> Measurement:
     m = Measurement(outlier_factor=settings.outlier_factor, reps=max(baseline.reps, 1),
                     earlier=earlier)
     started = time.perf_counter()
@@ -258,6 +262,8 @@ def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings
         a, b = (t_first, t_second) if first is baseline else (t_second, t_first)
         m.baseline_times.append(a)
         m.candidate_times.append(b)
+        if early is not None and i + 1 < settings.min_pairs and not any(m.flagged) and early(m):
+            break
         if deadline is not None and time.perf_counter() > deadline and i + 1 < settings.min_pairs:
             m.out_of_time = True  # the budget ends here: no verdict from a few pairs
             break

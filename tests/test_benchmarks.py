@@ -94,3 +94,20 @@ def test_a_model_that_cannot_be_built_is_rows_with_its_error(tmp_path, monkeypat
     assert status == 1 and [r["config"] for r in rows] == ["eager", "optimize"]
     assert all("ImportError: no transformers here" in r["error"] for r in rows)
     assert "Not built" in (tmp_path / MARKDOWN).read_text()
+
+
+def test_the_decisions_table_says_what_repeated_and_what_depth_costs():
+    from benchmarks.decisions import to_markdown
+    run = {"seconds": 10.0, "phases": {"capture": 4.0, "confirm": 2.0}, "decisions": {"fuse_attention": ["abcd1234"]},
+           "reasons": {"fuse_attention": "faster"}, "final": ""}
+    other = dict(run, decisions={"fuse_attention": []})
+    result = {"command": "python -m benchmarks.decisions", "machine": {"cpu": "test cpu"},
+              "rows": [{"model": "gpt2", "precision": "fp32", "kb": "afresh", "runs": [run, other], "same": False}],
+              "scaling": [dict(run, layers=4, kb="afresh"), dict(run, seconds=25.0, layers=16, kb="afresh"),
+                          dict(run, seconds=15.0, layers=16, kb="knowledge base, after 4 layers")],
+              "load": []}
+    md = to_markdown(result)
+    assert "| gpt2 | fp32 | afresh | 2 | **no** | 10.0 (10.0-10.0) | 4.0 |" in md
+    assert "### gpt2 fp32 (afresh): decisions per run" in md
+    assert "16 layers / 4 layers, afresh: 2.50x the time" in md
+    assert "16 layers after 4 (knowledge base) / 4 layers afresh: 1.50x" in md

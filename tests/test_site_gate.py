@@ -209,6 +209,27 @@ def test_the_step_check_takes_its_fewest_pairs_unless_they_point_to_a_regression
     assert not m["remeasured"] and m["pairs"] == _step_pairs(unclear)
 
 
+def test_a_composed_step_faster_in_every_pair_is_answered_on_two_pairs(blocks):
+    model, x = blocks
+    clock = ControlledClock({"a": 0.5}, step_costs={"a": 0.5})  # the step is 2x too
+    fast = _opt(model, (x,), [RewriteRelu("a")], clock)
+    assert _step_pairs(clock) == QUICK.confirm_unanimous_pairs == 2
+    final = fast.report.final
+    assert final["kept"] and "confirmed on the whole step" in final["reason"] and "over 2 pairs" in final["reason"]
+    # a flagged sample among the first pairs (a burst of load): no early answer, the fewest pairs
+    step_samples = []
+
+    def burst(call, step):
+        if step.scope == "step":
+            step_samples.append(call)
+        return 3.0 if step.scope == "step" and len(step_samples) == 1 else 1.0
+
+    loaded = ControlledClock({"a": 0.5}, step_costs={"a": 0.5}, interference=burst)
+    fast = _opt(model, (x,), [RewriteRelu("a")], loaded)
+    assert _step_pairs(loaded) == QUICK.min_pairs
+    assert fast.report.final["kept"] and fast.report.final["measurement"]["flagged"] == 1
+
+
 def test_a_step_check_that_led_to_an_ablation_is_measured_again_next_time(tmp_path, blocks):
     model, x = blocks
     kb = tmp_path / "kb.json"
