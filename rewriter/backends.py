@@ -68,6 +68,19 @@ class AttentionSpec:
     mask_shape: tuple[int, ...] | None = None
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform's processor string elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 class Backend:
     """Base of the device backends. Subclasses fill in the device-specific parts."""
 
@@ -87,6 +100,17 @@ class Backend:
 
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__}
+
+    def machine(self) -> dict[str, str]:
+        """What a timing depends on besides the software: the CPU model and torch's thread count
+        (CPU kernels, and the host code that feeds a device), and the accelerator's name. A
+        decision measured on an AMX Xeon with 16 threads says nothing about an AVX2 EPYC with
+        2, and a home directory (the knowledge base's default place) may be shared by both."""
+        return {"cpu_model": cpu_model(), "cpu_threads": str(torch.get_num_threads())}
+
+    def knowledge_key(self) -> dict[str, str]:
+        """The device part of a knowledge-base key: software versions and the machine."""
+        return {**self.versions(), **self.machine()}
 
     def rng_states(self) -> list[tuple[Any, Any]]:
         """(module, state) pairs of this device's generators, for snapshot and restore."""
@@ -200,27 +224,6 @@ class CpuBackend(_SdpaAttention, Backend):
     def is_available(self) -> bool:
         return True
 
-    def versions(self) -> dict[str, str]:
-        """With the CPU model and torch's thread count: a decision measured on an AMX Xeon with
-        16 threads says nothing about an AVX2 EPYC with 2 (plans and the knowledge base are keyed
-        on these, and a home directory may be shared between machines)."""
-        return {"torch": torch.__version__, "cpu": cpu_model(), "threads": str(torch.get_num_threads())}
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (the platform's description elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "Model", "cpu model"):
-                    return value.strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine()
-
-
 def cpu_has_native_bf16() -> bool:
     """oneDNN's own check for AVX512-BF16/AMX (False where torch has no mkldnn)."""
     try:
@@ -246,9 +249,11 @@ class CudaBackend(_SdpaAttention, Backend):
         return [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 
     def versions(self) -> dict[str, str]:
-        """With the GPU's name: an H200's decisions are not an A10's."""
-        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "absent"
-        return {"torch": torch.__version__, "cuda": str(torch.version.cuda), "gpu": gpu}
+        return {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
+
+    def machine(self) -> dict[str, str]:
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "absent"
+        return {**super().machine(), "device_name": name}
 
     def rng_states(self) -> list[tuple[Any, Any]]:
         return [(torch.cuda, torch.cuda.get_rng_state_all())] if torch.cuda.is_available() else []
@@ -315,14 +320,16 @@ class NpuBackend(Backend):
 
     def versions(self) -> dict[str, str]:
         mod = import_torch_npu()
+        return {"torch": torch.__version__, "torch_npu": getattr(mod, "__version__", "absent")}
+
+    def machine(self) -> dict[str, str]:
         chip = "absent"
-        if mod is not None and hasattr(torch, "npu"):
+        if import_torch_npu() is not None and hasattr(torch, "npu"):
             try:
                 chip = str(torch.npu.get_device_name())  # e.g. "Ascend910B3"
-            except (AttributeError, RuntimeError):
+            except (AttributeError, RuntimeError):  # torch_npu versions differ here
                 pass
-        return {"torch": torch.__version__, "torch_npu": getattr(mod, "__version__", "absent"),
-                "chip": chip}
+        return {**super().machine(), "device_name": chip}
 
     def rng_states(self) -> list[tuple[Any, Any]]:
         mod = import_torch_npu()

@@ -214,7 +214,7 @@ class CompileGate:
                          plans.graph_hash(graphs), ",".join(plans.input_signature(r.job.args, r.job.kwargs)),
                          ",".join(kp.name for kp in r.kept),
                          r.fused_opt.description if r.fused_opt else "-"])
-        return entry_key(text, r.job.backend.versions())
+        return entry_key(text, r.job.backend.knowledge_key())
 
     def _install(self, runner: Callable[..., Any], ex: Executor) -> None:
         """What the wrapper runs from now on (OptimizedModel's ``_compiled`` layout)."""

@@ -167,7 +167,7 @@ def _measure(self: Confirmation) -> Measurement:
     # A suspected regression gets its firm pairs even where they outlast the gate's budget of
     # one comparison (a 1.3 s step: 8 pairs are 21 s).
     once = dataclasses.replace(g, warmup=0, warmup_seconds=0.0, max_warmup=0,
-                               min_pairs=min(g.min_pairs, g.confirm_pairs),
+                               min_pairs=usual_pairs(g),
                                budget_seconds=max(g.budget_seconds,
                                                   1.25 * 2 * firm_pairs(g) * r.step_seconds))
     # The budget holds the confirmation's reserve back; past it, the step check takes only the
@@ -204,9 +204,14 @@ def _unanimously_faster(m: Measurement, g: GateSettings) -> bool:
     return m.pairs >= fewest_pairs(g) and m.pairs == len(m.baseline_times) and min(m.ratios) > 1.0
 
 
+def usual_pairs(g: GateSettings) -> int:
+    """The pairs the step check takes unless they all point faster, or to a regression."""
+    return min(g.min_pairs, g.confirm_pairs)
+
+
 def fewest_pairs(g: GateSettings) -> int:
     """The fewest pairs that can answer the step check (all of them pointing faster)."""
-    return max(2, min(g.confirm_unanimous_pairs, g.min_pairs, g.confirm_pairs))
+    return max(2, min(g.confirm_unanimous_pairs, usual_pairs(g)))
 
 
 def firm_pairs(g: GateSettings) -> int:

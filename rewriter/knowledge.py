@@ -16,8 +16,8 @@ The fused optimizer's own-step timing is stored the same way, under a signature 
 step: the kept and candidate graphs, the model's tensor shapes, the inputs, the optimizer
 (``Run._step_key``; time decisions only, a memory decision measures its peaks every run), and
 the step check of a composed step that showed no regression (``Run.confirmation_key``, its
-samples; rewriter.confirm). The device part of every key is ``Backend.versions()``: torch and
-torch_npu versions, and the machine (CPU model and thread count, GPU or NPU chip name).
+samples; rewriter.confirm). The device part of every key is ``Backend.knowledge_key()``: the
+torch and torch_npu versions, and the machine (CPU model and thread count, GPU or NPU name).
 Only completed timings are stored (kept, slower, below the margin, within noise); a comparison
 a busy machine spoiled, or one the time budget cut short, is not. Verification is never taken from here: every site is verified
 in every run. The default location is ``$REWRITER_KNOWLEDGE_BASE`` (a file path, or ``off``),

@@ -20,14 +20,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
-from rewriter.backends import Backend, get_backend
+from rewriter.backends import Backend, cpu_model, get_backend
 
 log = logging.getLogger(__name__)
 
@@ -118,29 +117,13 @@ def load_peaks(path: str | os.PathLike) -> Peaks:
     return peaks if peaks.source else Peaks(**{**asdict(peaks), "source": f"given in {path}"})
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (platform's processor string elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith(("model name", "hardware", "cpu model")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
 def _machine(backend: Backend) -> dict[str, Any]:
-    info: dict[str, Any] = {"backend": backend.name, "cpu_model": cpu_model(),
-                            "cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
+    m = backend.machine()
+    info: dict[str, Any] = {"backend": backend.name, "cpu_model": m["cpu_model"],
+                            "cpu_threads": int(m["cpu_threads"]), "torch": torch.__version__,
                             **backend.versions()}
-    if backend.name == "cuda":
-        info["device_name"] = torch.cuda.get_device_name()
-    elif backend.name == "npu":
-        try:
-            info["device_name"] = torch.npu.get_device_name()  # type: ignore[attr-defined]
-        except Exception as e:  # torch_npu versions differ here: the name is informative only
-            log.debug("no NPU device name: %s", e)
+    if m.get("device_name", "absent") != "absent":
+        info["device_name"] = m["device_name"]
     return info
 
 

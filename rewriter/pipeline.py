@@ -36,7 +36,7 @@ from rewriter import plan as plans
 from rewriter.advisor import advise
 from rewriter.compile_gate import CompileGate
 from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot, capture
-from rewriter.confirm import Confirmation, KeptUnit
+from rewriter.confirm import Confirmation, KeptUnit, usual_pairs
 from rewriter.errors import CaptureError, PlanError
 from rewriter.gate import Clock, GateSettings, Step, decide, device_clock, figure, known_verdict, measure
 from rewriter.ir import structure_signature
@@ -225,7 +225,7 @@ class Run:
         """Time kept back for the confirmation: the composed check and the fewest pairs of two
         steps."""
         g = self.settings.gate
-        return self.step_seconds * (1 + 2 * min(g.min_pairs, g.confirm_pairs)) * 1.25
+        return self.step_seconds * (1 + 2 * usual_pairs(g)) * 1.25
 
     def _out_of_time(self) -> bool:
         return self._remaining() < self._confirm_reserve()
@@ -418,7 +418,7 @@ class Run:
                                                     "the composed model is verified whole)"
                                                     if checked < len(members) else ""))
         key = entry_key(first.signature_text(self.job.backend.name, mode_of(self.ctx), p.version,
-                                             precision), self.job.backend.versions())
+                                             precision), self.job.backend.knowledge_key())
         known = self.settings.knowledge_base.get(key)
         if known is not None:
             keep, reason = known_verdict(known, self.settings.min_speedup,
@@ -623,7 +623,7 @@ class Run:
             "inputs": plans.input_signature(job.args, job.kwargs),
             "optimizer": type(job.optimizer).__name__ if job.optimizer is not None else None},
             sort_keys=True)
-        return entry_key(text, job.backend.versions())
+        return entry_key(text, job.backend.knowledge_key())
 
     # --- memory --------------------------------------------------------------------------------
     def _peaks(self, before: Step, after: Step, m: Any) -> tuple[int | None, int | None]:
@@ -798,7 +798,8 @@ class Run:
     # --- plans -------------------------------------------------------------------------------
     def _fingerprint(self) -> dict:
         job = self.job
-        fp = {"device": job.backend.name, "versions": job.backend.versions(), "mode": job.mode,
+        fp = {"device": job.backend.name, "versions": job.backend.versions(),
+              "machine": job.backend.machine(), "mode": job.mode,
                 "dtype": str(job.dtype) if job.dtype else None,
                 "inputs": plans.input_signature(job.args, job.kwargs), "front_end": self.cap.front_end,
                 "graphs": plans.graph_hash(structure_signature(s.original) for s in self.cap.slots),
@@ -853,6 +854,7 @@ class Run:
         try:
             before = profile_run(job.step(job.model), job.backend, settings=REPORT_PROFILE, label="original")
             report.top_ops_before, report.findings_before = before.top(10), advise(before)
+            report.attach_profiles(original=before)
             if optimized:
                 run = self.cap if self.kept else job.model
                 if self.compiled is not None:
@@ -861,6 +863,7 @@ class Run:
                                     settings=REPORT_PROFILE, label="optimized")
                 report.top_ops_after, report.findings_after = after.top(10), advise(after)
                 report.op_comparison = compare(before, after, labels=("original", "optimized"))
+                report.attach_profiles(original=before, optimized=after)
             if self.settings.objective == "memory":
                 self._memory_view(twin if optimized else None, optimized)
         except Exception as e:  # a profiler problem must not cost the user the optimization
@@ -967,6 +970,11 @@ def _plan_to_replay(source: Any, fingerprint: dict, report: Report, strict: bool
     kept = plan["kept_passes"]
     expected["pass_versions"] = {k: expected.get("pass_versions", {}).get(k) for k in kept}
     actual["pass_versions"] = {k: actual["pass_versions"].get(k) for k in kept}
+    if strict or "machine" not in expected:
+        # Ranks run rank 0's decisions whatever host they are on (different graphs on different
+        # ranks would hang collectives); a plan from before machines were recorded names none.
+        expected.pop("machine", None)
+        actual.pop("machine", None)
     mismatch = plans.fingerprint_mismatch(expected, actual)
     if mismatch and strict:
         raise PlanError("this rank's model or inputs differ from rank 0's, so it cannot run the "

@@ -1,7 +1,9 @@
 """Plans: the kept rewrites of one optimize() run, as JSON, replayable without measuring.
 
-A plan is valid for the graphs, input shapes, device and versions it was made on; its
-fingerprint records them and :func:`fingerprint_mismatch` names what differs::
+A plan is valid for the graphs, input shapes, device, machine (CPU model and threads, GPU or
+NPU name) and versions it was made on; its fingerprint records them and
+:func:`fingerprint_mismatch` names what differs (ranks replaying rank 0's plan ignore the
+machine: every rank must run the same graph)::
 
     model = rewriter.optimize(model, example_inputs=(x,), plan="out/plan.json")
 """

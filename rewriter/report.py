@@ -68,6 +68,12 @@ class Report:
     # The memory view (rewriter.memory.MemoryTimeline.to_dict() of one step, "before"/"after")
     memory: dict = field(default_factory=dict)
 
+    def attach_profiles(self, **profiles: Any) -> None:
+        """The ProfileResults the report's tables came from (``original=``, ``optimized=``):
+        :meth:`save` writes each one's tables and charts (the roofline among them). Not part of
+        :meth:`to_dict`: the tables above are."""
+        self._profiles = {label: p for label, p in profiles.items() if p is not None}
+
     @property
     def kept_passes(self) -> list[str]:
         """Passes whose rewrites the returned model runs."""
@@ -98,6 +104,9 @@ class Report:
                 json.dump(self.plan, f, indent=2)
         if self.op_comparison is not None:  # comparison.md/json and, with matplotlib, a chart
             self.op_comparison.save(os.path.join(directory, "profile"))
+        for label, profile in getattr(self, "_profiles", {}).items():
+            # operators.md/json; with matplotlib, top_operators.png and roofline.png
+            profile.save(os.path.join(directory, "profile", label))
         if self.memory:  # the live-memory curve as a PNG where matplotlib imports (optional)
             from rewriter.memory import MemoryTimeline
             for label, view in self.memory.items():

@@ -248,3 +248,66 @@ def test_compile_before_optimizing_is_refused():
     fast = rewriter.optimize(torch.nn.Linear(2, 2), progress=False)
     with pytest.raises(RuntimeError, match="example_inputs"):
         fast.compile()
+
+
+def test_the_saved_report_has_each_profiled_step_with_its_tables_and_charts(tmp_path, attn):
+    import json
+    model, x = attn
+    fast = rewriter.optimize(model, (x,), gate=QUICK, progress=False, clock=ControlledClock(FAST),
+                             knowledge_base=False)  # profile=True: the default
+    assert fast.report.top_ops_before and fast.report.top_ops_after
+    fast.report.save(tmp_path)
+    for label in ("original", "optimized"):
+        table = tmp_path / "profile" / label / "operators.md"
+        assert table.exists() and "aten::" in table.read_text()
+        saved = json.loads((tmp_path / "profile" / label / "operators.json").read_text())
+        assert saved["label"] == label and saved["rows"]
+        assert "### Roofline" in table.read_text()  # the roofline as a table, always
+        try:
+            import matplotlib  # noqa: F401  (and as a chart where matplotlib imports)
+        except ImportError:
+            assert "the roofline chart would place" in table.read_text()  # the chart in words
+            continue
+        assert (tmp_path / "profile" / label / "roofline.png").exists()
+    assert "_profiles" not in fast.report.to_dict()  # the tables are; the objects are not
+
+
+def _on_another_machine(monkeypatch):
+    from rewriter.backends import CpuBackend
+    monkeypatch.setattr(CpuBackend, "machine", lambda self: {"cpu_model": "Another CPU", "cpu_threads": "64"})
+
+
+def test_a_plan_made_on_another_machine_is_measured_again_and_says_why(tmp_path, attn, monkeypatch):
+    model, x = attn
+    _opt(model, (x,)).report.save(tmp_path)
+    _on_another_machine(monkeypatch)
+    other = _opt(model, (x,), plan=str(tmp_path / "plan.json"))
+    assert "not applied" in other.report.plan_status and "machine" in other.report.plan_status
+    assert {d.pass_name: d.status for d in other.report.decisions}["fuse_attention"] == "kept"
+
+
+def test_ranks_replay_rank_0s_plan_whatever_machine_they_are_on(tmp_path, attn, monkeypatch):
+    # (optimize() under torch.distributed replays with strict_plan: a rank must run rank 0's graph)
+    from rewriter.pipeline import _plan_to_replay
+    from rewriter.report import Report
+    model, x = attn
+    plan = _opt(model, (x,)).report.plan
+    fingerprint = dict(plan["fingerprint"], machine={"cpu_model": "Another CPU", "cpu_threads": "64"})
+    report = Report(model="m", device="cpu", mode="inference", dtype=None)
+    assert _plan_to_replay(plan, fingerprint, report, strict=True) is plan
+    assert _plan_to_replay(plan, fingerprint, report, strict=False) is None
+    assert "machine" in report.plan_status
+
+
+def test_the_knowledge_base_of_another_machine_is_not_replayed(tmp_path, attn, monkeypatch):
+    model, x = attn
+    kb = tmp_path / "kb.json"
+
+    def source(fast):
+        d = next(d for d in fast.report.decisions if d.pass_name == "fuse_attention")
+        return d.regions[0]["source"]
+
+    assert source(_opt(model, (x,), knowledge_base=kb)) == "measured"
+    assert source(_opt(model, (x,), knowledge_base=kb)) == "knowledge base"
+    _on_another_machine(monkeypatch)
+    assert source(_opt(model, (x,), knowledge_base=kb)) == "measured"
