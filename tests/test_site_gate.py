@@ -230,6 +230,24 @@ def test_a_composed_step_faster_in_every_pair_is_answered_on_two_pairs(blocks):
     assert fast.report.final["kept"] and fast.report.final["measurement"]["flagged"] == 1
 
 
+def test_a_regression_that_a_second_step_check_does_not_show_reverts_nothing(blocks):
+    model, x = blocks
+    composed = []
+
+    def drift(call, step):  # the composed step's first 6 pairs run while the machine is slower
+        if step.scope == "step" and step.passes:
+            composed.append(call)
+            return 1.3 if len(composed) <= QUICK.max_pairs else 1.0
+        return 1.0
+
+    clock = ControlledClock({"a": 0.5}, step_costs={"a": 1.0}, interference=drift)
+    fast = _opt(model, (x,), [RewriteRelu("a")], clock)
+    final = fast.report.final
+    assert final["kept"] and not final["reverted"] and fast.report.kept_passes == ["a"]
+    assert "a second measurement did not show" in final["reason"]
+    assert _step_pairs(clock) == QUICK.max_pairs + final["measurement"]["pairs"]
+
+
 def test_a_step_check_that_led_to_an_ablation_is_measured_again_next_time(tmp_path, blocks):
     model, x = blocks
     kb = tmp_path / "kb.json"
