@@ -14,11 +14,12 @@ decisions predict beside it::
   returning the original wholesale. Only what the step shows to hurt is reverted.
 * a busy machine spoiled the step comparison: the region decisions stand; the report says so.
 
-A step check that found no regression is stored in the knowledge base under exactly that
-composed step (``Run.confirmation_key``: the original and composed graphs, the fused optimizer,
-the model's tensors, the inputs, device, mode, versions), and replayed when the same decisions
-compose the same step again: a run whose decisions all come from the knowledge base times no
-whole step. The composed model is still verified in every run.
+A step check that found no regression (nor read one a second check did not show) is stored in
+the knowledge base under exactly that composed step (``Run.confirmation_key``: the original and
+composed graphs, the fused optimizer, the model's tensors, the inputs, device, mode, versions,
+machine), and replayed when the same decisions compose the same step again: a run whose
+decisions all come from the knowledge base times no whole step. The composed model is still
+verified in every run.
 """
 from __future__ import annotations
 
@@ -117,8 +118,8 @@ def _confirm(self: Confirmation) -> bool:
     if known:
         reason += f" (knowledge base, measured {known[1]})"
         final["source"] = "knowledge base"
-    elif key and not self.reverted and not slower and m.storable(fewest_pairs(r.settings.gate)) \
-            and m.speedup >= _floor(r):
+    elif key and not self.reverted and not slower and unconfirmed is None \
+            and m.storable(fewest_pairs(r.settings.gate)) and m.speedup >= _floor(r):
         r.settings.knowledge_base.put(key, {**m.to_dict(), "pass": "(step check)",
                                             "example": "whole step", "baseline_times": m.baseline_times,
                                             "candidate_times": m.candidate_times})
@@ -208,9 +209,10 @@ def _answered(m: Measurement, g: GateSettings, floor: float) -> bool:
     happen once in 40 runs, under a 5 % one less than once in 20,000 (and a regression is what
     the check looks for; a composed step that is faster, the common case, then costs half). A
     suspected regression is what reverts kept decisions, so it needs firmer figures: at least
-    twice ``confirm_pairs``, then more until it is clear of the noise (up to the gate's budget). A noise
-    estimate from four ratios is too often too small: on a quiet machine, four pairs read
-    0.94x ±0.016 once and would have reverted a fused AdamW 2.8x faster on its own step."""
+    twice ``confirm_pairs``, then more until it is clear of the noise (up to the gate's
+    budget). A noise estimate from four ratios is too often too small: on a quiet machine, four
+    pairs read 0.94x ±0.016 once and would have reverted a fused AdamW 2.8x faster on its own
+    step."""
     if m.speedup >= floor:
         return True
     if m.pairs < firm_pairs(g):

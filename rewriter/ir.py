@@ -185,9 +185,6 @@ def fill_missing_info(gm: GraphModule) -> None:
             for a in n.all_input_nodes:
                 if a not in interp.env:
                     interp.env[a] = _fact_value(a, mode, interp)
-            if n.op in ("placeholder", "get_attr") or _known_scalar(n) or tensor_info(n) is not None:
-                interp.env[n] = _fact_value(n, mode, interp)
-                continue
             with mode:
                 result = interp.run_node(n)
         except Exception as e:  # noqa: BLE001 (unknown facts are safe: passes decline)

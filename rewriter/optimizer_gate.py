@@ -65,7 +65,8 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
         if not ok:
             tried.append(f"{cand.description}: failed verification ({detail})")
             continue
-        key = entry_key(step_signature(job.optimizer, cand, job.backend.name), job.backend.knowledge_key())
+        key = entry_key(step_signature(job.optimizer, cand, job.backend.name),
+                        job.backend.knowledge_key())
         known = knowledge_base.get(key) if knowledge_base is not None else None
         if known is not None:
             figures, speedup, noise = known, known["speedup"], known["noise"]

@@ -479,7 +479,8 @@ class Run:
         if step_ms <= 0 or self.settings.gate.negligible <= 0:
             return ""
         with self._phase("measure"):
-            once = original_ms(r, values, self.job.training, clock=self.clock, forms=self._forms(r, overlay))
+            once = original_ms(r, values, self.job.training, clock=self.clock,
+                               forms=self._forms(r, overlay))
         if once * sites >= self.settings.gate.negligible * step_ms:
             return ""
         return (f"negligible: the original region takes {once:.4f} ms a call, {once * sites:.4f} ms "
@@ -612,7 +613,7 @@ class Run:
 
     def _step_entry_key(self, what: dict) -> str:
         """``what`` on this step: device, mode, precision, the model's tensor shapes, the
-        inputs, the optimizer, the software versions."""
+        inputs, the optimizer, the software versions and the machine."""
         job = self.job
         tensors = [[n, list(t.shape), str(t.dtype)] for n, t in
                    list(job.model.named_parameters()) + list(job.model.named_buffers())]
@@ -800,10 +801,10 @@ class Run:
         job = self.job
         fp = {"device": job.backend.name, "versions": job.backend.versions(),
               "machine": job.backend.machine(), "mode": job.mode,
-                "dtype": str(job.dtype) if job.dtype else None,
-                "inputs": plans.input_signature(job.args, job.kwargs), "front_end": self.cap.front_end,
-                "graphs": plans.graph_hash(structure_signature(s.original) for s in self.cap.slots),
-                "pass_versions": {p.name: p.version for p in self.passes}}
+              "dtype": str(job.dtype) if job.dtype else None,
+              "inputs": plans.input_signature(job.args, job.kwargs), "front_end": self.cap.front_end,
+              "graphs": plans.graph_hash(structure_signature(s.original) for s in self.cap.slots),
+              "pass_versions": {p.name: p.version for p in self.passes}}
         if self.settings.objective != "time":  # the same graphs decide differently on memory
             fp["objective"] = self.settings.objective
             fp["memory_slowdown"] = self.settings.memory_slowdown

@@ -145,8 +145,8 @@ class Report:
         lines += _memory_lines(self)
         if self.phases:
             other = (self.optimize_seconds or 0.0) - sum(self.phases.values())
-            lines += ["", "time per phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
-                      + (f", other {other:.1f} s" if other >= 0.05 else "")]
+            spent = ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
+            lines += ["", "time per phase: " + spent + (f", other {other:.1f} s" if other >= 0.05 else "")]
         for title, rows in (("Top operators before", self.top_ops_before),
                             ("Top operators after", self.top_ops_after)):
             if rows:
