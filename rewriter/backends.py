@@ -224,6 +224,7 @@ class CpuBackend(_SdpaAttention, Backend):
     def is_available(self) -> bool:
         return True
 
+
 def cpu_has_native_bf16() -> bool:
     """oneDNN's own check for AVX512-BF16/AMX (False where torch has no mkldnn)."""
     try:

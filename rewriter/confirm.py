@@ -118,7 +118,7 @@ def _confirm(self: Confirmation) -> bool:
     if known:
         reason += f" (knowledge base, measured {known[1]})"
         final["source"] = "knowledge base"
-    elif key and not self.reverted and not slower and unconfirmed is None \
+    elif key and not self.reverted and unconfirmed is None \
             and m.storable(fewest_pairs(r.settings.gate)) and m.speedup >= _floor(r):
         r.settings.knowledge_base.put(key, {**m.to_dict(), "pass": "(step check)",
                                             "example": "whole step", "baseline_times": m.baseline_times,
@@ -143,7 +143,7 @@ def _known(r: "Run", key: str | None) -> tuple[Measurement, str] | None:
         return None
     m = Measurement(list(known["baseline_times"]), list(known["candidate_times"]),
                     outlier_factor=r.settings.gate.outlier_factor)
-    if _slower(m, r) or m.speedup < _floor(r):
+    if m.speedup < _floor(r):  # (a regression is below the floor too)
         return None
     return m, known.get("recorded", "")
 
@@ -222,8 +222,9 @@ def _answered(m: Measurement, g: GateSettings, floor: float) -> bool:
 
 def _unanimously_faster(m: Measurement, g: GateSettings) -> bool:
     """Before its fewest pairs, the step check is answered when every pair so far (at least
-    ``confirm_unanimous_pairs``, none flagged) has the composed step faster."""
-    return m.pairs >= fewest_pairs(g) and m.pairs == len(m.baseline_times) and min(m.ratios) > 1.0
+    ``confirm_unanimous_pairs``; gate.measure asks only while none is flagged) has the
+    composed step faster."""
+    return m.pairs >= fewest_pairs(g) and min(m.ratios) > 1.0
 
 
 def usual_pairs(g: GateSettings) -> int:

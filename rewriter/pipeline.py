@@ -435,14 +435,16 @@ class Run:
             row.update(status="not reached", reason="the time budget ran out before measuring it")
             return row
         slot, r = members[0]
-        too_small = self._too_small_to_measure(r, self._values(values, slot, r), overlay, len(members))
+        too_small, once_ms = self._too_small_to_measure(r, self._values(values, slot, r), overlay,
+                                                        len(members))
         if too_small:
             row.update(status="rejected", source="measured", reason=too_small)
             return row
         with self._phase("measure"):
             m = measure_region(r, self._values(values, slot, r), self.job.training, clock=self.clock,
                                settings=self.settings.gate, min_speedup=self.settings.min_speedup,
-                               forms=self._forms(r, overlay), deadline=self.deadline)
+                               forms=self._forms(r, overlay), deadline=self.deadline,
+                               original_seconds=None if once_ms is None else once_ms / 1e3)
         keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
         keep, reason = self._negligible(keep, reason, m.saved_ms * len(members))
         row.update(kept=keep, status="kept" if keep else "rejected", source="measured",
@@ -471,21 +473,22 @@ class Run:
         return keep, reason
 
     def _too_small_to_measure(self, r: Region, values: list[Recorded], overlay: Any,
-                              sites: int) -> str:
+                              sites: int) -> tuple[str, float | None]:
         """Why the region is not worth an A/B comparison ("" when it is): the original itself,
         at every site, takes less than a negligible share of the step, so no replacement could
-        save what the gate would keep."""
+        save what the gate would keep. With it, one call of the original in ms (None when the
+        check is off), which the comparison then need not time again."""
         step_ms = 1e3 * self.step_seconds
         if step_ms <= 0 or self.settings.gate.negligible <= 0:
-            return ""
+            return "", None
         with self._phase("measure"):
             once = original_ms(r, values, self.job.training, clock=self.clock,
                                forms=self._forms(r, overlay))
         if once * sites >= self.settings.gate.negligible * step_ms:
-            return ""
+            return "", once
         return (f"negligible: the original region takes {once:.4f} ms a call, {once * sites:.4f} ms "
                 f"at its {sites} site(s) of a ~{step_ms:.0f} ms step (under "
-                f"{100 * self.settings.gate.negligible:g}%): not measured against its replacement")
+                f"{100 * self.settings.gate.negligible:g}%): not measured against its replacement"), once
 
     @staticmethod
     def _values(values: dict[str, dict[str, Recorded]], slot: GraphSlot, r: Region) -> list[Recorded]:

@@ -129,14 +129,21 @@ def _repeated(call: RegionCall, reps: int) -> Callable[[], None]:
 def measure_region(region: Region, values: list[Recorded], training: bool, *, clock: Clock,
                    settings: GateSettings, min_speedup: float,
                    forms: tuple[GraphModule, GraphModule] | None = None,
-                   deadline: float | None = None) -> Measurement:
-    """Interleaved A/B of the two forms, each sample long enough for the timer (repeats)."""
+                   deadline: float | None = None,
+                   original_seconds: float | None = None) -> Measurement:
+    """Interleaved A/B of the two forms, each sample long enough for the timer (repeats).
+
+    ``original_seconds``: one call of the original, timed already (:func:`original_ms`), so
+    the original has had its first call and its repeats need no timing of their own."""
     before, after = forms or (region.before, region.after)
     a, b = RegionCall(before, values, training), RegionCall(after, values, training)
     with torch.random.fork_rng(devices=[]):
-        a(), b()  # first calls: allocator, kernels picked
-        reps = calibrate(clock, Step(_repeated(a, 1), (), "original region", scope="region"),
-                         settings.region_sample_seconds)
+        if original_seconds is None:
+            a()  # first calls: allocator, kernels picked
+            original_seconds = _fastest_call(clock, Step(_repeated(a, 1), (), "original region",
+                                                         scope="region"))
+        b()
+        reps = repeats_for(original_seconds, settings.region_sample_seconds)
         base = Step(_repeated(a, reps), (), "original region", scope="region", reps=reps)
         cand = Step(_repeated(b, reps), (region.pass_name,), "replacement", scope="region", reps=reps)
         quick_warmup = dataclasses.replace(settings, warmup_seconds=settings.region_warmup_seconds,
@@ -158,12 +165,17 @@ def original_ms(region: Region, values: list[Recorded], training: bool, *, clock
     once = Step(_repeated(call, 1), (), "original region", scope="region")
     with torch.random.fork_rng(devices=[]):
         call()
-        return 1e3 * min(clock.time(once) for _ in range(3))
+        return 1e3 * _fastest_call(clock, once)
 
 
-def calibrate(clock: Clock, once: Step, target_seconds: float, max_reps: int = 10_000) -> int:
-    """Repetitions per sample so that one sample lasts about ``target_seconds``."""
-    t = min(clock.time(once) for _ in range(3))
+def _fastest_call(clock: Clock, once: Step) -> float:
+    """Seconds of one run of ``once``: the fastest of three."""
+    return min(clock.time(once) for _ in range(3))
+
+
+def repeats_for(t: float, target_seconds: float, max_reps: int = 10_000) -> int:
+    """Repetitions per sample of a call of ``t`` seconds so that a sample lasts about
+    ``target_seconds``."""
     if t <= 0 or not math.isfinite(t):
         return 1
     return int(min(max_reps, max(1, math.ceil(target_seconds / t))))
