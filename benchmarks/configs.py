@@ -58,6 +58,7 @@ class Setup:
 class Variant:
     step: Callable[[], Any]                  # one step; returns the model's output
     optimize_seconds: float | None = None    # wall time of optimize(), where it ran
+    profile_seconds: float | None = None     # of which optimize() spent profiling
     notes: list[str] = field(default_factory=list)
     decisions: list[dict] = field(default_factory=list)  # optimize()'s report, in short
     after_first_step: Callable[[], list[str]] | None = None  # notes known only then
@@ -130,7 +131,8 @@ def _run_optimize(s: Setup, dtype: torch.dtype | None, plan: dict | None = None,
                       "speedup": final.get("speedup"), "noise": final.get("noise"), "sites": 0,
                       "reason": final.get("reason", "")})
     variant = Variant(make_step(fast, s.case.inputs, optimizer=opt, loss_fn=s.case.loss_fn),
-                      optimize_seconds=seconds, notes=notes, decisions=decisions)
+                      optimize_seconds=seconds, profile_seconds=report.phases.get("profile"),
+                      notes=notes, decisions=decisions)
     return fast, opt, variant
 
 

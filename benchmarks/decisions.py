@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 import rewriter
-from benchmarks.configs import plain_optimizer
+from benchmarks.configs import make_step, plain_optimizer
 from benchmarks.measure import machine_info
 from benchmarks.models import MODEL_NAMES, TRANSFORMER_SIZES, build_case
 from rewriter.pipeline import DEFAULT_TIME_BUDGET
@@ -57,17 +57,21 @@ def decisions_of(report: rewriter.Report) -> dict[str, Any]:
     return out
 
 
+def _case(name: str, layers: int | None) -> Any:
+    """The zoo's training case; with ``layers``, its default size at that depth."""
+    if layers is None:
+        return build_case(name, quick=False, training=True)
+    import benchmarks.models as models
+    base = TRANSFORMER_SIZES["default"]
+    models.TRANSFORMER_SIZES["scaled"] = type(base)(layers, base.hidden, base.heads, base.vocab,
+                                                    base.batch, base.seq)
+    return models.BUILDERS[name]("scaled", True)
+
+
 def one_run(name: str, dtype: torch.dtype | None, *, layers: int | None = None,
             knowledge_base: Any = False) -> dict[str, Any]:
     torch._dynamo.reset()  # each run captures afresh, as a new process would
-    if layers is not None:
-        import benchmarks.models as models
-        base = TRANSFORMER_SIZES["default"]
-        models.TRANSFORMER_SIZES["scaled"] = type(base)(layers, base.hidden, base.heads, base.vocab,
-                                                        base.batch, base.seq)
-        case = models.BUILDERS[name]("scaled", True)
-    else:
-        case = build_case(name, quick=False, training=True)
+    case = _case(name, layers)
     opt = plain_optimizer(case.model, True)
     started = time.perf_counter()
     fast, _ = rewriter.optimize(case.model, case.inputs, optimizer=opt, loss_fn=case.loss_fn,
@@ -79,6 +83,29 @@ def one_run(name: str, dtype: torch.dtype | None, *, layers: int | None = None,
             "reasons": {d.pass_name: d.reason for d in r.decisions
                         if d.status not in ("not applicable", "no sites")},
             "final": r.final.get("reason", "")}
+
+
+def depth_floor(name: str, layers: int) -> dict[str, float]:
+    """What any Dynamo-captured optimize() of this model pays whatever it decides: Dynamo's own
+    first trace of the model (a backend that returns the graph as it is, one forward) and one
+    eager training step (optimize() runs the whole step several times: the reference, the
+    capture check, the composed model's verification, the step check's pairs)."""
+    torch._dynamo.reset()
+    case = _case(name, layers)
+    compiled = torch.compile(case.model, backend=lambda gm, example_inputs: gm)
+    started = time.perf_counter()
+    compiled(**case.inputs)
+    trace = time.perf_counter() - started
+    step = make_step(case.model, case.inputs, optimizer=plain_optimizer(case.model, True),
+                     loss_fn=case.loss_fn)
+    step()  # a first step allocates the optimizer's state
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    torch._dynamo.reset()
+    return {"trace": round(trace, 2), "step": round(statistics.median(times), 3)}
 
 
 def _burn(seconds: float) -> None:
@@ -139,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["scaling"].append(r)
             _say(f"llama {layers} layers ({label}): {r['seconds']} s {r['phases']}")
         os.remove(kb) if os.path.exists(kb) else None
+        result["floor"] = {str(layers): depth_floor("llama", layers) for layers in (4, 16)}
+        _say(f"llama floor: {result['floor']}")
         _write(args.out, result)
     if args.load:
         burner = mp.get_context("spawn").Process(target=_burn, args=(args.load_seconds,), daemon=True)
@@ -228,6 +257,17 @@ def to_markdown(result: dict) -> str:
         c = rows.get((16, "knowledge base, after 4 layers"))
         if a and c:
             lines.append(f"16 layers after 4 (knowledge base) / 4 layers afresh: {c['seconds'] / a['seconds']:.2f}x")
+        floor = result.get("floor", {})
+        f4, f16 = floor.get("4"), floor.get("16")
+        if a and f4 and f16:
+            lines.append(
+                f"\nWhat any Dynamo capture pays, measured after those runs: Dynamo's own first "
+                f"trace of the model (a backend that keeps the graph as it is) {f4['trace']:.1f} s at 4 "
+                f"layers, {f16['trace']:.1f} s at 16; one eager training step {1000 * f4['step']:.0f} "
+                f"-> {1000 * f16['step']:.0f} ms. 1.5x the 4-layer run allows "
+                f"{0.5 * a['seconds']:.1f} s more for 12 more layers; the trace alone grows "
+                f"{f16['trace'] - f4['trace']:.1f} s, and each whole step optimize() runs "
+                f"{f16['step'] - f4['step']:.2f} s.")
     if result["load"]:
         lines += ["", "## Under a concurrent CPU load (one core busy in bursts)", "",
                   "*kept under load only*: kept under load, never kept in the quiet afresh runs "

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from rewriter.backends import cpu_info
 from rewriter.gate import GateSettings, Measurement, Step, WallClock, measure
 
 # Default run: at least 10 pairs; stop once the speedup is clear of 1 by two noise widths or
@@ -89,18 +90,7 @@ def relative_error(out: Any, reference: torch.Tensor) -> float:
 
 def machine_info() -> dict:
     """CPU model and flags, cores, threads, library versions, date, load: the table's header."""
-    cpu, flags = "", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and not cpu:
-                    cpu = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass  # not Linux: the platform's own description below
-    cpu = cpu or platform.processor() or platform.machine()
+    cpu, flags = cpu_info()
     try:
         import transformers
         transformers_version = transformers.__version__

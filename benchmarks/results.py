@@ -35,6 +35,7 @@ class Row:
     pairs: int = 0
     peak_mb: float | None = None
     optimize_s: float | None = None  # wall time of optimize()
+    profile_s: float | None = None   # of which profiling the step before and after
     first_step_s: float | None = None  # the first step after setup: torch.compile compiles here
     rel_error: float | None = None   # max |out - eager| / max |eager| on the first step
     notes: list[str] = field(default_factory=list)
@@ -124,7 +125,9 @@ def _method_lines(results: Results) -> list[str]:
         "its steps; **eager ms**: eager's median in the same comparison.",
         f"- **peak MB**: {MEMORY_METHOD}.",
         "- **optimize s**: wall time of the `optimize()` call (it measures every rewrite it tries; "
-        f"default settings{', profile off, few pairs' if s.get('quick') else ''}). "
+        f"default settings{', profile off, few pairs' if s.get('quick') else ''}; in brackets, the "
+        "part spent profiling the step before and after for the report; knowledge base: "
+        f"{s.get('knowledge_base', 'not recorded')}). "
         "**first step s**: the first step after setup; for the torch.compile rows this is the "
         "compile (forward and backward). Inductor's cache is fresh at the start of the run and "
         "shared within it, so `optimize() + compile()` may reuse kernels the `torch.compile` "
@@ -159,6 +162,14 @@ def _speedup(r: Row) -> str:
     return f"{r.speedup:.2f}x ±{r.noise:.2f}" if r.noise is not None else f"{r.speedup:.2f}x"
 
 
+def _optimize_s(r: Row) -> str:
+    """optimize()'s wall time, and how much of it was profiling (the issue's figures leave
+    profiling aside)."""
+    if r.optimize_s is None or not r.profile_s:
+        return _num(r.optimize_s, '.1f')
+    return f"{r.optimize_s:.1f} ({r.profile_s:.1f} profiling)"
+
+
 def _model_section(results: Results, mode: str, model: str, rows: list[Row]) -> list[str]:
     info = results.models.get(f"{mode}/{model}", {})
     about = (f"{info['description']}. Expert form: {info['expert']}." if "description" in info
@@ -173,7 +184,7 @@ def _model_section(results: Results, mode: str, model: str, rows: list[Row]) -> 
             continue
         lines.append(f"| {r.label} | {_num(r.step_ms, '.3g')} | {_num(r.spread_ms, '.2g')} | "
                      f"{_num(r.eager_ms, '.3g')} | {_speedup(r)} | {_num(r.peak_mb, '.1f')} | "
-                     f"{_num(r.optimize_s, '.1f')} | {_num(r.first_step_s, '.2f')} | "
+                     f"{_optimize_s(r)} | {_num(r.first_step_s, '.2f')} | "
                      f"{_num(r.rel_error, '.1e')} | {_cell('; '.join(r.notes))} |")
     for r in rows:
         if r.decisions:

@@ -86,6 +86,17 @@ def _split(values: list[str], known: Sequence[str], what: str, p: argparse.Argum
     return list(dict.fromkeys(names))
 
 
+def _knowledge_base_state() -> str:
+    """Where optimize() keeps its decisions, and whether earlier runs left any: a row that
+    replays them costs less than one that measures."""
+    from rewriter.knowledge import KnowledgeBase, default_path
+    path = default_path()
+    if path is None:
+        return "off (REWRITER_KNOWLEDGE_BASE)"
+    n = len(KnowledgeBase.at(path).entries)
+    return f"{path}: {n} decision(s) from earlier runs at the start" if n else f"{path}: empty at the start"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -94,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = Results(command="python -m benchmarks.run " + " ".join(argv), machine=machine_info(),
                       settings={"models": args.models, "configs": args.configs, "mode": args.mode,
                                 "passes": args.passes or "all registered", "quick": args.quick,
-                                "gate": asdict(gate)})
+                                "gate": asdict(gate), "knowledge_base": _knowledge_base_state()})
     compiles = any("compile" in c for c in args.configs)
     try:
         with _fresh_inductor_cache(compiles):
@@ -155,6 +166,7 @@ def run_config(config: Config, setup: Setup, mode: str, eager_step: Callable[[],
         _progress(f"{where}: preparing")
         variant = config.prepare(setup)
         row.optimize_s, row.notes, row.decisions = variant.optimize_seconds, variant.notes, variant.decisions
+        row.profile_s = variant.profile_seconds
         started = time.perf_counter()
         out = variant.step()
         row.first_step_s = time.perf_counter() - started

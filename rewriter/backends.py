@@ -68,17 +68,30 @@ class AttentionSpec:
     mask_shape: tuple[int, ...] | None = None
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (platform's processor string elsewhere)."""
+def cpu_info() -> tuple[str, set[str]]:
+    """The CPU's model name and ISA flags from /proc/cpuinfo (elsewhere: the platform's
+    processor string and no flags)."""
+    name, flags = "", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.lower().startswith(("model name", "hardware", "cpu model")):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key in ("model name", "hardware", "cpu model") and not name:
+                    name = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+                if name and flags:
+                    break
     except OSError:
         pass
     import platform
-    return platform.processor() or platform.machine() or "unknown CPU"
+    return name or platform.processor() or platform.machine() or "unknown CPU", flags
+
+
+def cpu_model() -> str:
+    """The CPU's model name (see cpu_info)."""
+    return cpu_info()[0]
 
 
 class Backend:

@@ -141,9 +141,11 @@ def flatten_output(output: Any) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
-def _finite_peak(w: torch.Tensor) -> float:
-    """The largest |value| among the finite elements (0.0 when there are none)."""
-    peak = float(w.abs().max())  # one pass; inf or nan when some element is not finite
+def _finite_peak(w: torch.Tensor, peak: float | None = None) -> float:
+    """The largest |value| among the finite elements (0.0 when there are none). ``peak``: the
+    largest |value| of all elements, when the caller already has it."""
+    if peak is None:
+        peak = float(w.abs().max())  # one pass; inf or nan when some element is not finite
     if math.isfinite(peak):
         return peak
     finite = torch.isfinite(w)
@@ -151,7 +153,9 @@ def _finite_peak(w: torch.Tensor) -> float:
 
 
 def compare_tensors(got: torch.Tensor, want: torch.Tensor, tol: Tolerance, where: str,
-                    scale_floor: float = 0.0) -> Comparison:
+                    scale_floor: float = 0.0, peak: float | None = None) -> Comparison:
+    """``peak``: the largest |value| of ``want`` when the caller has read it already (inf or nan
+    when some element is not finite), so that it is not read twice."""
     if got.shape != want.shape:
         return Comparison(False, math.inf, math.inf, where, f"{where}: shape {tuple(got.shape)} != {tuple(want.shape)}")
     if not (want.is_floating_point() or want.is_complex()):
@@ -164,16 +168,15 @@ def compare_tensors(got: torch.Tensor, want: torch.Tensor, tol: Tolerance, where
     # half dtypes widen to fp32 first.
     wide = torch.promote_types(torch.promote_types(got.dtype, want.dtype), torch.float32)
     g, w = got.detach().to(wide), want.detach().to(wide)
-    abs_w = w.abs()
-    scale = float(abs_w.max())  # finite exactly when every element of want is
+    scale = float(w.abs().max()) if peak is None else peak  # finite when every element of want is
     if not math.isfinite(scale):
         finite = torch.isfinite(w)
         if bool((~torch.isfinite(g) & finite).any()):
             return Comparison(False, math.inf, math.inf, where, f"{where}: non-finite values where the original is finite")
         if not bool(finite.any()):
             return Comparison(True, 0.0, 0.0, where)
-        g, w, abs_w = g[finite], w[finite], abs_w[finite]
-        scale = float(abs_w.max())  # the largest finite |value| of want
+        g, w = g[finite], w[finite]
+        scale = float(w.abs().max())  # the largest finite |value| of want
     diff = torch.sub(g, w).abs_()
     max_abs = float(diff.max())
     if not math.isfinite(max_abs) and not bool(torch.isfinite(g).all()):
@@ -182,7 +185,7 @@ def compare_tensors(got: torch.Tensor, want: torch.Tensor, tol: Tolerance, where
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
     if max_abs <= atol:  # within the absolute bound everywhere: no element can be off
         return Comparison(True, max_abs, max_rel, where)
-    bad = diff > abs_w.mul_(tol.rtol).add_(atol)
+    bad = diff > w.abs().mul_(tol.rtol).add_(atol)
     if bool(bad.any()):
         return Comparison(False, max_abs, max_rel, where,
                           f"{where}: {int(bad.sum())} of {bad.numel()} elements off "
@@ -201,15 +204,18 @@ def compare_runs(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
         return Comparison(False, math.inf, math.inf, "",
                           f"different tensors: missing {missing[:5]}, unexpected {extra[:5]}")
+    # Each tensor's largest |value| is read once: for its group's floor and for its own bound.
+    peaks = {name: float(w.detach().abs().max()) for name, w in want.items()
+             if w.is_floating_point() and w.numel()}
     floors: dict[str, float] = {}
-    for name, w in want.items():
-        if w.is_floating_point() and w.numel():
-            group = name.split(" ", 1)[0]
-            floors[group] = max(floors.get(group, 0.0), 0.01 * _finite_peak(w.detach()))
+    for name, peak in peaks.items():
+        group = name.split(" ", 1)[0]
+        floors[group] = max(floors.get(group, 0.0), 0.01 * _finite_peak(want[name], peak))
     worst = Comparison(True)
     judged: list[str] = []  # passed by the yardstick
     for name, w in want.items():
-        c = compare_tensors(got[name], w, tol, name, floors.get(name.split(" ", 1)[0], 0.0))
+        c = compare_tensors(got[name], w, tol, name, floors.get(name.split(" ", 1)[0], 0.0),
+                            peaks.get(name))
         if not c.ok and yardstick is not None and name in yardstick.values:
             c = _within_yardstick(c, got[name], w, yardstick.values[name], yardstick)
         if not c.ok:

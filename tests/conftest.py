@@ -60,9 +60,13 @@ def npu_target(request, emulate):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def private_peaks_cache(tmp_path_factory):
-    """Peaks measured for the roofline are cached per machine; tests keep theirs out of ~/.cache."""
+def private_caches(tmp_path_factory):
+    """Peaks measured for the roofline are cached per machine, decisions in a knowledge base;
+    tests keep theirs out of ~/.cache. (A module-scoped fixture runs before the per-test
+    knowledge base is set: it gets this session's.)"""
     mp = pytest.MonkeyPatch()
-    mp.setenv("REWRITER_CACHE_DIR", str(tmp_path_factory.mktemp("rewriter-cache")))
+    cache = tmp_path_factory.mktemp("rewriter-cache")
+    mp.setenv("REWRITER_CACHE_DIR", str(cache))
+    mp.setenv("REWRITER_KNOWLEDGE_BASE", str(cache / "knowledge_base.json"))
     yield
     mp.undo()

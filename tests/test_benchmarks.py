@@ -5,6 +5,7 @@ of seconds per model on a 2-core CPU. They run in the real benchmark, ``python -
 ``--passes`` narrows optimize() to two passes to keep this test short.
 """
 import json
+import os
 
 import pytest
 
@@ -13,6 +14,7 @@ from benchmarks.configs import Config, Setup
 from benchmarks.measure import QUICK_GATE
 from benchmarks.models import build_case
 from benchmarks.results import CHART, JSON, MARKDOWN
+from rewriter.knowledge import KnowledgeBase
 
 pytest.importorskip("transformers")
 
@@ -48,7 +50,7 @@ def test_numerics_against_eager(quick_run):
         assert by[model, "expert"]["rel_error"] < 1e-4
         assert 0 < by[model, "expert_autocast"]["rel_error"] < 5e-2   # bf16 by design
     opt = by["gpt2", "optimize"]
-    assert opt["optimize_s"] > 0
+    assert opt["optimize_s"] > 0 and opt["profile_s"] is None  # --quick: profile off
     assert [d["pass"] for d in opt["decisions"]][:2] == ["fuse_attention", "fuse_linear"]
 
 
@@ -62,6 +64,31 @@ def test_markdown_has_machine_tables_and_reading(quick_run):
         assert f"### {model}" in md
     for label in ("eager fp32", "optimize()", "expert", "expert + autocast bf16"):
         assert f"| {label} |" in md
+
+
+def test_the_run_says_which_knowledge_base_optimize_read(quick_run, tmp_path, monkeypatch):
+    _, out, data = quick_run
+    assert "knowledge base: " + data["settings"]["knowledge_base"] in (out / MARKDOWN).read_text()
+    # a module-scoped run too keeps out of the user's knowledge base (the session's, conftest)
+    assert not data["settings"]["knowledge_base"].startswith(os.path.expanduser("~"))
+    path = tmp_path / "kb.json"
+    monkeypatch.setenv("REWRITER_KNOWLEDGE_BASE", str(path))
+    assert run._knowledge_base_state() == f"{path}: empty at the start"
+    kb = KnowledgeBase(str(path))
+    kb.put("a", {"kept": True})
+    kb.put("b", {"kept": False})
+    kb.save()
+    assert run._knowledge_base_state() == f"{path}: 2 decision(s) from earlier runs at the start"
+    monkeypatch.setenv("REWRITER_KNOWLEDGE_BASE", "off")
+    assert run._knowledge_base_state().startswith("off")
+
+
+def test_optimize_seconds_say_how_much_was_profiling():
+    from benchmarks.results import Row, _optimize_s
+    row = Row(model="m", mode="train", config="optimize", label="optimize()", optimize_s=24.61,
+              profile_s=8.04)
+    assert _optimize_s(row) == "24.6 (8.0 profiling)"
+    assert _optimize_s(Row(model="m", mode="train", config="eager", label="eager")) == "-"
 
 
 def test_chart(quick_run):
@@ -105,9 +132,14 @@ def test_the_decisions_table_says_what_repeated_and_what_depth_costs():
               "rows": [{"model": "gpt2", "precision": "fp32", "kb": "afresh", "runs": [run, other], "same": False}],
               "scaling": [dict(run, layers=4, kb="afresh"), dict(run, seconds=25.0, layers=16, kb="afresh"),
                           dict(run, seconds=15.0, layers=16, kb="knowledge base, after 4 layers")],
+              "floor": {"4": {"trace": 4.0, "step": 0.5}, "16": {"trace": 11.0, "step": 1.25}},
               "load": []}
     md = to_markdown(result)
     assert "| gpt2 | fp32 | afresh | 2 | **no** | 10.0 (10.0-10.0) | 4.0 |" in md
     assert "### gpt2 fp32 (afresh): decisions per run" in md
     assert "16 layers / 4 layers, afresh: 2.50x the time" in md
     assert "16 layers after 4 (knowledge base) / 4 layers afresh: 1.50x" in md
+    # the floor: 1.5x of the 4-layer run's 10 s allows 5 s more; the trace alone grows 7 s
+    assert "4.0 s at 4 layers, 11.0 s at 16" in md and "500 -> 1250 ms" in md
+    assert "allows 5.0 s more for 12 more layers; the trace alone grows 7.0 s" in md
+    assert "each whole step optimize() runs 0.75 s" in md
