@@ -177,6 +177,8 @@ class ProfileResult:
     sequence: tuple[str, ...] = ()  # top-level operators in time order (aten:: stripped)
     wall_ms: float | None = None  # the step's wall time, where the profiler marked steps
     peak_memory_mb: float | None = None
+    # host page faults of the least-faulting step (None: the platform cannot count them)
+    page_faults: int | None = None
     files: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     analysis: OpAnalysis | None = None  # roofline, model lines, shape outliers
@@ -200,7 +202,7 @@ class ProfileResult:
     def to_dict(self) -> dict:
         return {"label": self.label, "device": self.device, "steps": self.steps,
                 "step_ms": round(self.step_ms, 4), "wall_ms": self.wall_ms,
-                "peak_memory_mb": self.peak_memory_mb, "rows": [r.to_dict() for r in self.rows],
+                "peak_memory_mb": self.peak_memory_mb, "page_faults": self.page_faults, "rows": [r.to_dict() for r in self.rows],
                 "kernels": [k.to_dict() for k in self.kernels], "files": dict(self.files),
                 "notes": list(self.notes),
                 "analysis": self.analysis.to_dict() if self.analysis is not None else None}
@@ -281,6 +283,8 @@ def _summary_line(r: ProfileResult) -> str:
         parts.append(f"step wall time {r.wall_ms:.2f} ms")
     if r.peak_memory_mb is not None:
         parts.append(f"peak memory {r.peak_memory_mb:.2f} MB")
+    if r.page_faults is not None:
+        parts.append(f"{r.page_faults} host page faults a step")
     return "; ".join(parts) + "."
 
 
@@ -744,20 +748,37 @@ def profile_run(run: Callable[[], Any], device: str | torch.device | Backend | N
     trace_dir = os.path.join(out_dir, "tensorboard", _slug(label)) if out_dir else scratch
     try:
         collector = _Collector(backend, settings, trace_dir, label, chosen, peaks_note)
+        faults: list[int] = []
         with open_profiler(backend, settings, trace_dir=trace_dir, on_trace_ready=collector) as prof:
             for _ in range(settings.steps):
+                before = host_page_faults()
                 run()
                 backend.synchronize()  # device work belongs to the step that queued it
+                after = host_page_faults()
+                if before is not None and after is not None:
+                    faults.append(after - before)
                 prof.step()
         if not collector.results:
             raise RuntimeError("the profiler finished no recording cycle")
         result = collector.results[-1]
+        # the least-faulting step: the unrecorded first one is free of the profiler's own buffers
+        result.page_faults = min(faults) if faults else None
         if out_dir:
             _write_outputs(result, str(out_dir), top_k)
         return result
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def host_page_faults() -> int | None:
+    """This process's minor page faults so far (fresh pages the kernel mapped and zeroed), or
+    None where the platform does not count them."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _peaks_for(peaks: Peaks | str | None, backend: Backend, cache_dir: str | os.PathLike | None,

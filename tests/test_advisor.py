@@ -188,6 +188,24 @@ def test_findings_are_sorted_by_share_and_name_known_passes():
     assert findings[0].to_dict()["share"] == round(findings[0].share, 4)
 
 
+# --- page faults (CPU host allocator) ---------------------------------------------------------
+
+def _faulting(n, device="cpu"):
+    p = _profile([FILLER], device=device)
+    p.page_faults = n
+    return p
+
+
+def test_page_faults_in_every_step_are_a_finding_on_cpu_only():
+    f = _rules(_faulting(20_000))["page_faults"]
+    assert "20000 page faults in every step" in f.detail and "MALLOC_TRIM_THRESHOLD_" in f.detail
+    assert f.passes == ()  # the process's allocator settings, not a rewrite
+    assert "page_faults" not in _rules(_faulting(4_999))  # under the setting's 5000
+    assert "page_faults" in _rules(_faulting(4_999), page_faults=1000)
+    assert "page_faults" not in _rules(_faulting(20_000, device="cuda"))  # device memory: cached
+    assert "page_faults" not in _rules(_faulting(None))  # a platform that does not count them
+
+
 def test_quiet_profile_and_bad_input():
     assert findings_to_markdown(advise(_profile([FILLER]))) == "### Advisor\n\nNo known hot spot found.\n"
     with pytest.raises(ValueError, match="ProfileResult or a list of OpRow"):

@@ -187,6 +187,32 @@ def test_profile_model_writes_trace_tensorboard_table_and_restores_the_model(tmp
     assert not opt.state
 
 
+def test_profile_counts_the_host_page_faults_of_the_least_faulting_step():
+    pytest.importorskip("resource")  # POSIX: the kernel counts them
+    import mmap
+    pages = 512
+
+    def fresh_pages():  # memory mapped afresh and touched, as a trimmed heap is every step
+        m = mmap.mmap(-1, pages * mmap.PAGESIZE)
+        for i in range(0, pages * mmap.PAGESIZE, mmap.PAGESIZE):
+            m[i] = 1
+        m.close()
+
+    buffer = bytearray(pages * mmap.PAGESIZE)
+
+    def same_pages():  # the same memory every step: faulted once, before profiling
+        for i in range(0, len(buffer), mmap.PAGESIZE):
+            buffer[i] = 1
+
+    same_pages()
+    settings = profiling.ProfileSettings(record_shapes=False)
+    touched = profiling.profile_run(fresh_pages, "cpu", settings=settings, peaks=None)
+    quiet = profiling.profile_run(same_pages, "cpu", settings=settings, peaks=None)
+    assert touched.page_faults >= pages > quiet.page_faults
+    assert f"{touched.page_faults} host page faults a step" in touched.to_markdown()
+    assert touched.to_dict()["page_faults"] == touched.page_faults
+
+
 def test_profile_step_keeps_its_signature():
     model, x = _Net(), torch.randn(4, 16)
     rows = profiling.profile_step(lambda: model(x), [torch.profiler.ProfilerActivity.CPU], top_k=3)
