@@ -1,13 +1,14 @@
 """Written-out attention against SDPA, forward and forward + backward apart, at a model's shapes.
 
-    python -m benchmarks.attention_parts                      # LLaMA's: 4 x 4 heads x 256 x 64, causal
+    python -m benchmarks.attention_parts      # LLaMA's shapes: 4 x 4 heads x 256 x 64, causal
     python -m benchmarks.attention_parts --batch 8 --seq 512 --repeat 3
 
 Why fuse_attention's region decision can sit on its margin on one machine and clear it on
-another: the fused kernel's forward and backward gain differently (on a 2-core AVX2 EPYC the
-forward halves and the backward gets slower). Each line is side by side in this process
-(``benchmarks.measure.side_by_side``: interleaved pairs, median ratio, its noise); ``--repeat``
-measures again, to see how much one region's figure moves from one comparison to the next.
+another: the fused kernel gains far less in training than in the forward (on a 2-core AVX2
+EPYC the forward halves; forward + backward gains 1.1-1.4x, depending on the allocator). Each
+line is side by side in this process (``benchmarks.measure.side_by_side``: interleaved pairs,
+median ratio, its noise); ``--repeat`` measures again, to see how much one region's figure
+moves from one comparison to the next.
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def forms(batch: int, heads: int, seq: int, dim: int) -> dict[str, Callable[...,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.attention_parts", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attention_parts",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)

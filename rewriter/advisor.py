@@ -40,6 +40,7 @@ list of OpRow), unfused attention is inferred from softmax and bmm rows instead.
 """
 from __future__ import annotations
 
+import mmap
 import re
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
@@ -65,8 +66,8 @@ class AdvisorSettings:
     matmul_alignment: int | None = None  # None: the profiled device's (NPU 16, CUDA 8; CPU 16, gated)
     matmul_share: float = 0.01
     transposed_share: float = 0.05  # GEMM time at a line with a transposed operand
-    # page faults in every step worth a finding (x 4 KiB: memory mapped afresh each step; a
-    # fault costs ~3 us on a 2-core EPYC, so 5000 is ~15 ms)
+    # page faults in every step worth a finding (each a page mapped afresh, 4 KiB on x86; one
+    # cost ~3 us on a 2-core EPYC, so 5000 is ~15 ms)
     page_faults: int = 5000
 
 
@@ -81,6 +82,7 @@ class Finding:
     share: float = 0.0  # of the step, where the finding has a time
     operators: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()  # the model lines involved ("Block.forward model.py:7")
+    outside: str = ""  # with no pass: what addresses it instead
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -270,15 +272,17 @@ def _page_faults(v: _View, s: AdvisorSettings) -> Finding | None:
     13.6 ms when nothing is returned, 38 ms when everything is)."""
     if v.device != "cpu" or v.page_faults is None or v.page_faults < s.page_faults:
         return None
-    import resource
-    mib = v.page_faults * resource.getpagesize() / 2**20
+    mib = v.page_faults * mmap.PAGESIZE / 2**20  # this machine's page size (the profile's, unless moved)
     detail = (f"{v.page_faults} page faults in every step ({mib:.0f} MiB of fresh pages): the "
               "host allocator hands large freed tensors back to the system and maps them again "
               "the next step. Start the process with MALLOC_MMAP_THRESHOLD_ and "
-              "MALLOC_TRIM_THRESHOLD_ above the largest tensor's bytes (glibc), or with jemalloc "
-              "or tcmalloc preloaded (LD_PRELOAD). optimize() leaves it alone: a running process "
-              "cannot change its allocator's settings for the model alone.")
-    return Finding("page_faults", "Memory mapped afresh every step", detail, ())
+              "MALLOC_TRIM_THRESHOLD_ above the largest tensor's bytes (glibc; releases that cap "
+              "the mmap threshold at 32 MiB ignore a larger value, and the trim setting alone "
+              "then pins it at 128 KiB: check the faults drop), or with jemalloc or tcmalloc "
+              "preloaded (LD_PRELOAD).")
+    return Finding("page_faults", "Memory mapped afresh every step", detail, (),
+                   outside="the process's allocator settings; optimize() does not change a "
+                           "running process's allocator")
 
 
 def _matmul_dims(name: str, sig: tuple) -> tuple[int, ...]:
@@ -479,6 +483,7 @@ def findings_to_markdown(findings: Sequence[Finding]) -> str:
     lines = ["### Advisor", ""]
     for f in findings:
         share = f" ({100 * f.share:.1f}% of the step)" if f.share else ""
-        passes = ", ".join(f"`{p}`" for p in f.passes) or "none in this project yet"
+        passes = ", ".join(f"`{p}`" for p in f.passes) or (
+            f"none: {f.outside}" if f.outside else "none in this project yet")
         lines.append(f"- **{f.title}**{share}: {f.detail} Pass: {passes}.")
     return "\n".join(lines) + "\n"

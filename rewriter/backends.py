@@ -69,8 +69,8 @@ class AttentionSpec:
 
 
 def cpu_info() -> tuple[str, set[str]]:
-    """The CPU's model name and ISA flags from /proc/cpuinfo (elsewhere: the platform's
-    processor string and no flags)."""
+    """The CPU's model name and ISA flags (x86's ``flags`` line) from /proc/cpuinfo (elsewhere,
+    and on ARM's ``Features``: the platform's processor string, no flags)."""
     name, flags = "", set()
     try:
         with open("/proc/cpuinfo") as f:

@@ -177,11 +177,11 @@ class ProfileResult:
     sequence: tuple[str, ...] = ()  # top-level operators in time order (aten:: stripped)
     wall_ms: float | None = None  # the step's wall time, where the profiler marked steps
     peak_memory_mb: float | None = None
-    # host page faults of the least-faulting step (None: the platform cannot count them)
-    page_faults: int | None = None
     files: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     analysis: OpAnalysis | None = None  # roofline, model lines, shape outliers
+    # host page faults of the least-faulting step (None: the platform cannot count them)
+    page_faults: int | None = None
 
     @property
     def step_ms(self) -> float:
@@ -202,7 +202,8 @@ class ProfileResult:
     def to_dict(self) -> dict:
         return {"label": self.label, "device": self.device, "steps": self.steps,
                 "step_ms": round(self.step_ms, 4), "wall_ms": self.wall_ms,
-                "peak_memory_mb": self.peak_memory_mb, "page_faults": self.page_faults, "rows": [r.to_dict() for r in self.rows],
+                "peak_memory_mb": self.peak_memory_mb, "page_faults": self.page_faults,
+                "rows": [r.to_dict() for r in self.rows],
                 "kernels": [k.to_dict() for k in self.kernels], "files": dict(self.files),
                 "notes": list(self.notes),
                 "analysis": self.analysis.to_dict() if self.analysis is not None else None}

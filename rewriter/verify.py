@@ -210,7 +210,7 @@ def compare_runs(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
     floors: dict[str, float] = {}
     for name, peak in peaks.items():
         group = name.split(" ", 1)[0]
-        floors[group] = max(floors.get(group, 0.0), 0.01 * _finite_peak(want[name], peak))
+        floors[group] = max(floors.get(group, 0.0), 0.01 * _finite_peak(want[name].detach(), peak))
     worst = Comparison(True)
     judged: list[str] = []  # passed by the yardstick
     for name, w in want.items():

@@ -200,6 +200,7 @@ def test_page_faults_in_every_step_are_a_finding_on_cpu_only():
     f = _rules(_faulting(20_000))["page_faults"]
     assert "20000 page faults in every step" in f.detail and "MALLOC_TRIM_THRESHOLD_" in f.detail
     assert f.passes == ()  # the process's allocator settings, not a rewrite
+    assert "Pass: none: the process's allocator settings" in findings_to_markdown([f])
     assert "page_faults" not in _rules(_faulting(4_999))  # under the setting's 5000
     assert "page_faults" in _rules(_faulting(4_999), page_faults=1000)
     assert "page_faults" not in _rules(_faulting(20_000, device="cuda"))  # device memory: cached
