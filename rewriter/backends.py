@@ -12,6 +12,7 @@ fails (reference npu_ecosystem.md §7), and a CUDA build of torch refuses it on 
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import operator
@@ -68,7 +69,8 @@ class AttentionSpec:
     mask_shape: tuple[int, ...] | None = None
 
 
-def cpu_info() -> tuple[str, set[str]]:
+@functools.lru_cache(maxsize=1)  # the CPU does not change under a process; keys ask often
+def cpu_info() -> tuple[str, frozenset[str]]:
     """The CPU's model name and ISA flags (x86's ``flags`` line) from /proc/cpuinfo (elsewhere,
     and on ARM's ``Features``: the platform's processor string, no flags)."""
     name, flags = "", set()
@@ -86,7 +88,7 @@ def cpu_info() -> tuple[str, set[str]]:
     except OSError:
         pass
     import platform
-    return name or platform.processor() or platform.machine() or "unknown CPU", flags
+    return name or platform.processor() or platform.machine() or "unknown CPU", frozenset(flags)
 
 
 def cpu_model() -> str:

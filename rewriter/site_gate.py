@@ -138,11 +138,9 @@ def measure_region(region: Region, values: list[Recorded], training: bool, *, cl
     before, after = forms or (region.before, region.after)
     a, b = RegionCall(before, values, training), RegionCall(after, values, training)
     with torch.random.fork_rng(devices=[]):
-        if original_seconds is None:
-            a()  # first calls: allocator, kernels picked
-            original_seconds = _fastest_call(clock, Step(_repeated(a, 1), (), "original region",
-                                                         scope="region"))
-        b()
+        if original_seconds is None:  # its first call comes with the timing
+            original_seconds = original_ms(region, values, training, clock=clock, forms=forms) / 1e3
+        b()  # first call: allocator, kernels picked
         reps = repeats_for(original_seconds, settings.region_sample_seconds)
         base = Step(_repeated(a, reps), (), "original region", scope="region", reps=reps)
         cand = Step(_repeated(b, reps), (region.pass_name,), "replacement", scope="region", reps=reps)
@@ -165,12 +163,7 @@ def original_ms(region: Region, values: list[Recorded], training: bool, *, clock
     once = Step(_repeated(call, 1), (), "original region", scope="region")
     with torch.random.fork_rng(devices=[]):
         call()
-        return 1e3 * _fastest_call(clock, once)
-
-
-def _fastest_call(clock: Clock, once: Step) -> float:
-    """Seconds of one run of ``once``: the fastest of three."""
-    return min(clock.time(once) for _ in range(3))
+        return 1e3 * min(clock.time(once) for _ in range(3))
 
 
 def repeats_for(t: float, target_seconds: float, max_reps: int = 10_000) -> int:
