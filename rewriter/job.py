@@ -36,6 +36,7 @@ class Job:
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     dtype: torch.dtype | None = None
     _cotangents: dict = field(default_factory=dict)
+    _cast_cotangents: dict = field(default_factory=dict)
     output_type: type | None = None  # of the model's own output, seen in the reference run
 
     @property
@@ -75,7 +76,10 @@ class Job:
         if key not in self._cotangents:
             gen = torch.Generator().manual_seed(len(self._cotangents))
             self._cotangents[key] = torch.randn(t.shape, generator=gen)
-        return self._cotangents[key].to(t.device, t.dtype)
+        cast = (key, t.device, t.dtype)  # cast once: not inside every timed step
+        if cast not in self._cast_cotangents:
+            self._cast_cotangents[cast] = self._cotangents[key].to(t.device, t.dtype)
+        return self._cast_cotangents[cast]
 
     # --- steps -----------------------------------------------------------------------------
     def step(self, run: Callable[..., Any], optimizer: Any = None) -> Callable[[], None]:

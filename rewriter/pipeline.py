@@ -50,7 +50,7 @@ from rewriter.record import Recorder, Recorded
 from rewriter.reference import Reference
 from rewriter.region import Region, dtype_of_region, find_regions
 from rewriter.report import Decision, Report
-from rewriter.site_gate import measure_region, original_ms, verify_region
+from rewriter.site_gate import REGION_TIMING, measure_region, original_ms, verify_region
 from rewriter.state import preserved_state
 from rewriter.verify import Comparison, compare_runs, tolerance_for
 
@@ -418,7 +418,8 @@ class Run:
                                                     "the composed model is verified whole)"
                                                     if checked < len(members) else ""))
         key = entry_key(first.signature_text(self.job.backend.name, mode_of(self.ctx), p.version,
-                                             precision), self.job.backend.knowledge_key())
+                                             precision),
+                        {**self.job.backend.knowledge_key(), "region timing": REGION_TIMING})
         known = self.settings.knowledge_base.get(key)
         if known is not None:
             keep, reason = known_verdict(known, self.settings.min_speedup,

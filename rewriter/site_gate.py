@@ -35,6 +35,10 @@ from rewriter.verify import (
 )
 
 REGION_SEED = 20261201
+# How a region is timed, in its knowledge-base key: a change that moves its figures (version 2
+# drew each output's cotangent once, where version 1 drew it inside every timed call) must not
+# replay figures measured the old way.
+REGION_TIMING = "2"
 
 
 def _cotangent(i: int, t: torch.Tensor) -> torch.Tensor:
@@ -60,29 +64,38 @@ class RegionCall:
                     v = v.detach().requires_grad_(True)  # a leaf of our own; storage shared
                     self.grad_inputs.append(i)
             self.inputs.append(v)
-        self._cotangents: list[torch.Tensor | None] | None = None
+        # Drawn once per output: a float64 draw costs about as much as the region itself
+        # (9 ms for 4 x 256 x 256 here), and inside the timed call it would dilute every ratio.
+        self._cotangents: dict[int, torch.Tensor] = {}
+
+    def run(self) -> tuple[tuple, tuple]:
+        """One run, what is timed: the outputs and the input gradients (training)."""
+        with torch.enable_grad() if self.training else torch.no_grad():
+            outs = self.gm(*self.inputs)
+            grads = self._backward(outs) if self.training and self.grad_inputs else ()
+        return outs, grads
 
     def __call__(self) -> dict[str, torch.Tensor]:
-        """One run; outputs and input gradients by name."""
-        grad = torch.enable_grad() if self.training else torch.no_grad()
-        with grad:
-            outs = self.gm(*self.inputs)
-            result = {f"output {i}": o.detach() for i, o in enumerate(outs)
-                      if isinstance(o, torch.Tensor)}
-            if self.training and self.grad_inputs:
-                grads = self._backward(outs)
-                for i, g in zip(self.grad_inputs, grads):
-                    t = self.inputs[i]
-                    result[f"grad input {i}"] = g.detach() if g is not None else torch.zeros_like(t)
+        """One run; outputs and input gradients by name (for verification)."""
+        outs, grads = self.run()
+        result = {f"output {i}": o.detach() for i, o in enumerate(outs) if isinstance(o, torch.Tensor)}
+        for i, g in zip(self.grad_inputs, grads):
+            result[f"grad input {i}"] = g.detach() if g is not None else torch.zeros_like(self.inputs[i])
         return result
 
     def _backward(self, outs: tuple) -> tuple:
         diff = [(i, o) for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not diff:
             return tuple(None for _ in self.grad_inputs)
-        cots = [_cotangent(i, o) for i, o in diff]
+        cots = [self._cotangent(i, o) for i, o in diff]
         return torch.autograd.grad([o for _, o in diff], [self.inputs[i] for i in self.grad_inputs],
                                    cots, allow_unused=True)
+
+    def _cotangent(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        cot = self._cotangents.get(i)
+        if cot is None or cot.shape != out.shape or cot.dtype != out.dtype or cot.device != out.device:
+            cot = self._cotangents[i] = _cotangent(i, out)
+        return cot
 
 
 def _seeded_numerics(call: RegionCall) -> dict[str, torch.Tensor]:
@@ -122,7 +135,7 @@ def verify_region(region: Region, values: list[Recorded], training: bool,
 def _repeated(call: RegionCall, reps: int) -> Callable[[], None]:
     def run() -> None:
         for _ in range(reps):
-            call()
+            call.run()
     return run
 
 
@@ -140,7 +153,7 @@ def measure_region(region: Region, values: list[Recorded], training: bool, *, cl
     with torch.random.fork_rng(devices=[]):
         if original_seconds is None:  # its first call comes with the timing
             original_seconds = original_ms(region, values, training, clock=clock, forms=forms) / 1e3
-        b()  # first call: allocator, kernels picked
+        b.run()  # first call: allocator, kernels picked
         reps = repeats_for(original_seconds, settings.region_sample_seconds)
         base = Step(_repeated(a, reps), (), "original region", scope="region", reps=reps)
         cand = Step(_repeated(b, reps), (region.pass_name,), "replacement", scope="region", reps=reps)
@@ -162,7 +175,7 @@ def original_ms(region: Region, values: list[Recorded], training: bool, *, clock
     call = RegionCall((forms or (region.before, region.after))[0], values, training)
     once = Step(_repeated(call, 1), (), "original region", scope="region")
     with torch.random.fork_rng(devices=[]):
-        call()
+        call.run()
         return 1e3 * min(clock.time(once) for _ in range(3))
 
 

@@ -106,6 +106,19 @@ def test_a_cached_signature_is_replayed_without_measuring(tmp_path, blocks):
     assert _region_samples(clock, "a") == 0
 
 
+def test_figures_timed_an_older_way_are_measured_again_not_replayed(tmp_path, blocks, monkeypatch):
+    import rewriter.pipeline as pipeline
+    model, x = blocks
+    kb = tmp_path / "kb.json"
+    monkeypatch.setattr(pipeline, "REGION_TIMING", "1")
+    _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 2.0}), knowledge_base=kb)
+    monkeypatch.undo()
+    clock = ControlledClock({"a": 0.5})
+    again = _opt(model, (x,), [RewriteRelu("a")], clock, knowledge_base=kb)
+    d = _decision(again, "a")
+    assert d.kept and d.regions[0]["source"] == "measured" and _region_samples(clock, "a") > 0
+
+
 def test_a_rejection_in_the_knowledge_base_is_replayed_as_a_rejection(tmp_path, blocks):
     model, x = blocks
     kb = tmp_path / "kb.json"
@@ -367,6 +380,24 @@ def test_regions_cut_out_the_rewritten_nodes_with_their_boundary():
     assert r.inputs == ["relu"] and r.outputs == ["relu"]
     value = torch.randn(4, 32).relu()
     assert torch.equal(r.before(value)[0], value) and torch.equal(r.after(value)[0], F.relu(value))
+
+
+def test_a_region_call_draws_its_cotangents_once_not_in_every_timed_call(monkeypatch):
+    # The draw (float64 randn) costs about what a region does: inside the timed loop it would
+    # add the same milliseconds to both forms and pull every ratio towards 1.
+    from rewriter import site_gate
+    from rewriter.record import Recorded
+    draws = []
+    real = site_gate._cotangent
+    monkeypatch.setattr(site_gate, "_cotangent", lambda i, t: draws.append(i) or real(i, t))
+    gm = torch.fx.symbolic_trace(lambda x: (x.relu() * 3,))
+    x = torch.randn(4, 32)
+    call = site_gate.RegionCall(gm, [Recorded(x, requires_grad=True)], training=True)
+    grads = [call()["grad input 0"] for _ in range(5)]
+    assert draws == [0]
+    want = real(0, x) * 3 * (x > 0)
+    for g in grads:
+        torch.testing.assert_close(g, want)
 
 
 def test_with_dtype_regions_are_measured_in_that_precision_and_it_is_decided_with_them(blocks):
