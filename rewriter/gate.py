@@ -256,21 +256,25 @@ def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings
     m = Measurement(outlier_factor=settings.outlier_factor, reps=max(baseline.reps, 1),
                     earlier=earlier)
     started = time.perf_counter()
+    longest = 0.0  # wall time of the longest pair so far: the next one may take as long
     for i in range(settings.max_pairs):
         first, second = (baseline, candidate) if i % 2 == 0 else (candidate, baseline)
+        t0 = time.perf_counter()
         t_first, t_second = clock.time(first), clock.time(second)
+        longest = max(longest, time.perf_counter() - t0)
         a, b = (t_first, t_second) if first is baseline else (t_second, t_first)
         m.baseline_times.append(a)
         m.candidate_times.append(b)
         if early is not None and i + 1 < settings.min_pairs and not any(m.flagged) and early(m):
             break
-        if deadline is not None and time.perf_counter() > deadline and i + 1 < settings.min_pairs:
+        # A pair is not started that would end past the deadline (a 1 s step makes 2 s pairs).
+        past_deadline = deadline is not None and time.perf_counter() + longest > deadline
+        if past_deadline and i + 1 < settings.min_pairs:
             m.out_of_time = True  # the budget ends here: no verdict from a few pairs
             break
         if i + 1 >= settings.min_pairs and (
                 (m.flagged_fraction <= settings.max_flagged and enough(m))
-                or time.perf_counter() - started > settings.budget_seconds
-                or (deadline is not None and time.perf_counter() > deadline)):
+                or time.perf_counter() - started > settings.budget_seconds or past_deadline):
             break
     return m
 

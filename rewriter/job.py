@@ -23,6 +23,11 @@ from rewriter.verify import dropout_disabled, flatten_output
 VERIFY_SEED = 20260529  # any fixed seed: the reference and the candidate must draw alike
 # A float64 copy (8 bytes a parameter) is made for models up to this size (1 GiB of float64).
 MAX_FLOAT64_COPY = 2**27
+# How a whole step is timed, in the knowledge-base keys of whole-step figures (a pass decided on
+# the step, the step check, the graph compiler): version 2 casts the output's cotangent to its
+# device and dtype once, where version 1 cast it in every step (on a GPU, or under a precision
+# pass, a copy only one of the two steps paid). Figures timed another way are measured again.
+STEP_TIMING = "2"
 
 
 @dataclass
@@ -125,7 +130,8 @@ class Job:
             model64 = copy.deepcopy(self.model).to(device=device, dtype=torch.float64)
             args, kwargs = tree_map(lambda x: _to_float64(x, device), (self.args, self.kwargs))
             job64 = dataclasses.replace(self, model=model64, args=args, kwargs=kwargs,
-                                        optimizer=None, _cotangents=self._cotangents)
+                                        optimizer=None, _cotangents=self._cotangents,
+                                        _cast_cotangents={})
             return job64.numerics(model64)
         except Exception:  # user code that insists on fp32 (a loss with fp32 targets, ...)
             return None

@@ -1,4 +1,5 @@
 """The gate's decisions, with controlled times (no wall-clock thresholds)."""
+import dataclasses
 import math
 
 import pytest
@@ -137,3 +138,27 @@ def test_measure_stops_early_once_conclusive():
                 settings=GateSettings(warmup=0, warmup_seconds=0, max_warmup=0, min_pairs=5,
                                       max_pairs=50))
     assert m.pairs == 5 and not math.isnan(m.speedup)
+
+
+def test_a_pair_that_would_end_past_the_deadline_is_not_started(monkeypatch):
+    # A time budget is a bound: with 0.25 s pairs (a 0.125 s step twice) and the deadline at
+    # 1 s, the fourth pair ends on it and a fifth would end past it.
+    import types
+    from rewriter import gate
+    now = [0.0]
+    monkeypatch.setattr(gate, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    class FakeClock:
+        def time(self, step):
+            now[0] += 0.125
+            return 0.125 * (0.9 if step.passes else 1.0)
+    never = GateSettings(warmup=0, max_warmup=0, warmup_seconds=0.0, min_pairs=2, max_pairs=40,
+                         budget_seconds=100.0)
+    m = measure(Step(lambda: None, (), "a"), Step(lambda: None, ("b",), "b"), clock=FakeClock(),
+                settings=never, deadline=1.0, enough=lambda m: False)
+    assert m.pairs == 4 and now[0] <= 1.0 and not m.out_of_time
+    # before its fewest pairs, a comparison the deadline cuts short says so
+    now[0] = 0.0
+    m = measure(Step(lambda: None, (), "a"), Step(lambda: None, ("b",), "b"), clock=FakeClock(),
+                settings=dataclasses.replace(never, min_pairs=10), deadline=1.0, enough=lambda m: False)
+    assert m.pairs == 4 and m.out_of_time

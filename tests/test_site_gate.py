@@ -111,7 +111,10 @@ def test_figures_timed_an_older_way_are_measured_again_not_replayed(tmp_path, bl
     model, x = blocks
     kb = tmp_path / "kb.json"
     monkeypatch.setattr(pipeline, "REGION_TIMING", "1")
-    _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 2.0}), knowledge_base=kb)
+    old = _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 2.0}), knowledge_base=kb)
+    assert _decision(old, "a").regions[0]["source"] == "measured"
+    replayed = _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 0.5}), knowledge_base=kb)
+    assert _decision(replayed, "a").regions[0]["source"] == "knowledge base"  # it was stored
     monkeypatch.undo()
     clock = ControlledClock({"a": 0.5})
     again = _opt(model, (x,), [RewriteRelu("a")], clock, knowledge_base=kb)
@@ -394,6 +397,7 @@ def test_a_region_call_draws_its_cotangents_once_not_in_every_timed_call(monkeyp
     x = torch.randn(4, 32)
     call = site_gate.RegionCall(gm, [Recorded(x, requires_grad=True)], training=True)
     grads = [call()["grad input 0"] for _ in range(5)]
+    site_gate._repeated(call, 3)()  # the timed path
     assert draws == [0]
     want = real(0, x) * 3 * (x > 0)
     for g in grads:
@@ -509,6 +513,21 @@ def test_a_whole_step_decision_is_replayed_from_the_knowledge_base(tmp_path, blo
     wider = _opt(Blocks(n=4, d=32).eval(), (torch.randn(8, 32),), [StepRelu("s")],
                  ControlledClock({"s": 0.5}), knowledge_base=kb)
     assert "knowledge base" not in _decision(wider, "s").reason
+
+
+def test_whole_steps_timed_an_older_way_are_measured_again(tmp_path, blocks, monkeypatch):
+    import rewriter.pipeline as pipeline
+    model, x = blocks
+    kb = tmp_path / "kb.json"
+    monkeypatch.setattr(pipeline, "STEP_TIMING", "1")
+    _opt(model, (x,), [StepRelu("s")], ControlledClock({"s": 0.5}), knowledge_base=kb)
+    assert "knowledge base, measured" in _decision(
+        _opt(model, (x,), [StepRelu("s")], ControlledClock({"s": 0.5}), knowledge_base=kb), "s").reason
+    monkeypatch.undo()
+    clock = ControlledClock({"s": 0.5})
+    again = _opt(model, (x,), [StepRelu("s")], clock, knowledge_base=kb)
+    assert "knowledge base" not in _decision(again, "s").reason and _step_samples(clock, "s") > 0
+    assert again.report.final.get("source") != "knowledge base"
 
 
 def test_a_regression_is_only_believed_on_firm_pairs():
