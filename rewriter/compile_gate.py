@@ -30,7 +30,7 @@ from rewriter.executors import Executor, compiled_runner, executors_for, has_dro
 from rewriter.capture import DynamoCapture, FxCapture
 from rewriter.gate import Step, decide, known_verdict, measure
 from rewriter.ir import structure_signature
-from rewriter.job import STEP_TIMING, switched
+from rewriter.job import switched
 from rewriter.knowledge import entry_key
 from rewriter.report import Decision
 from rewriter.verify import compare_runs, dropout_disabled, tolerance_for
@@ -214,7 +214,7 @@ class CompileGate:
                          plans.graph_hash(graphs), ",".join(plans.input_signature(r.job.args, r.job.kwargs)),
                          ",".join(kp.name for kp in r.kept),
                          r.fused_opt.description if r.fused_opt else "-"])
-        return entry_key(text, {**r.job.backend.knowledge_key(), "step timing": STEP_TIMING})
+        return entry_key(text, r.job.step_knowledge_key())
 
     def _install(self, runner: Callable[..., Any], ex: Executor) -> None:
         """What the wrapper runs from now on (OptimizedModel's ``_compiled`` layout)."""

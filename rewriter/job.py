@@ -86,6 +86,10 @@ class Job:
             self._cast_cotangents[cast] = self._cotangents[key].to(t.device, t.dtype)
         return self._cast_cotangents[cast]
 
+    def step_knowledge_key(self) -> dict[str, str]:
+        """The device part of a whole-step figure's knowledge-base key, with how steps are timed."""
+        return {**self.backend.knowledge_key(), "step timing": STEP_TIMING}
+
     # --- steps -----------------------------------------------------------------------------
     def step(self, run: Callable[..., Any], optimizer: Any = None) -> Callable[[], None]:
         """One step of the user's job with ``run`` standing in for the model (and ``optimizer``,

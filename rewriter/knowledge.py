@@ -18,8 +18,9 @@ step: the kept and candidate graphs, the model's tensor shapes, the inputs, the 
 the step check of a composed step that showed no regression (``Run.confirmation_key``, its
 samples; rewriter.confirm). The device part of every key is ``Backend.knowledge_key()``: the
 torch and torch_npu versions, and the machine (CPU model and thread count, GPU or NPU name).
-A region's key also carries how regions are timed (``site_gate.REGION_TIMING``): figures
-measured another way are measured again, not replayed.
+A region's key also carries how regions are timed (``site_gate.REGION_TIMING``), a whole-step
+figure's how steps are timed (``Job.step_knowledge_key``): figures measured another way are
+measured again, not replayed.
 Only completed timings are stored (kept, slower, below the margin, within noise); a comparison
 a busy machine spoiled, or one the time budget cut short, is not. Verification is never taken from here: every site is verified
 in every run. The default location is ``$REWRITER_KNOWLEDGE_BASE`` (a file path, or ``off``),

@@ -40,7 +40,7 @@ from rewriter.confirm import Confirmation, KeptUnit, usual_pairs
 from rewriter.errors import CaptureError, PlanError
 from rewriter.gate import Clock, GateSettings, Step, decide, device_clock, figure, known_verdict, measure
 from rewriter.ir import structure_signature
-from rewriter.job import STEP_TIMING, VERIFY_SEED, Job, switched
+from rewriter.job import VERIFY_SEED, Job, switched
 from rewriter.kept import KeptPass, apply_sites, build, mode_of, overlay_for
 from rewriter.knowledge import KnowledgeBase, entry_key
 from rewriter.optimizer_gate import gate_optimizer
@@ -628,7 +628,7 @@ class Run:
             "inputs": plans.input_signature(job.args, job.kwargs),
             "optimizer": type(job.optimizer).__name__ if job.optimizer is not None else None},
             sort_keys=True)
-        return entry_key(text, {**job.backend.knowledge_key(), "step timing": STEP_TIMING})
+        return entry_key(text, job.step_knowledge_key())
 
     # --- memory --------------------------------------------------------------------------------
     def _peaks(self, before: Step, after: Step, m: Any) -> tuple[int | None, int | None]:

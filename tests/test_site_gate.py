@@ -516,10 +516,10 @@ def test_a_whole_step_decision_is_replayed_from_the_knowledge_base(tmp_path, blo
 
 
 def test_whole_steps_timed_an_older_way_are_measured_again(tmp_path, blocks, monkeypatch):
-    import rewriter.pipeline as pipeline
+    import rewriter.job as job
     model, x = blocks
     kb = tmp_path / "kb.json"
-    monkeypatch.setattr(pipeline, "STEP_TIMING", "1")
+    monkeypatch.setattr(job, "STEP_TIMING", "1")
     _opt(model, (x,), [StepRelu("s")], ControlledClock({"s": 0.5}), knowledge_base=kb)
     assert "knowledge base, measured" in _decision(
         _opt(model, (x,), [StepRelu("s")], ControlledClock({"s": 0.5}), knowledge_base=kb), "s").reason
