@@ -225,12 +225,9 @@ def measure(baseline: Step, candidate: Step, *, clock: Clock, settings: GateSett
     ``enough``: when the pairs so far answer the caller's question (default: more pairs could
     not change the keep/reject decision under ``min_speedup``). ``early``: when fewer than
     ``min_pairs`` pairs, none flagged, already answer it (the step check's unanimous pairs)."""
-    warm_start = time.perf_counter()
-    for i in range(max(settings.warmup, settings.max_warmup)):
-        if i >= settings.warmup and time.perf_counter() - warm_start >= settings.warmup_seconds:
-            break
-        baseline.run()
-        candidate.run()
+    if not _warm_up(baseline, candidate, settings, deadline):
+        return Measurement(outlier_factor=settings.outlier_factor, reps=max(baseline.reps, 1),
+                           out_of_time=True)
     if enough is None:
         def enough(m: Measurement) -> bool:
             return _conclusive(m, min_speedup, settings.noise_widths)
@@ -247,6 +244,24 @@ def measure(baseline: Step, candidate: Step, *, clock: Clock, settings: GateSett
     elif m.flagged_fraction > settings.max_flagged:
         m.busy = True  # no time left to measure again
     return m
+
+
+def _warm_up(baseline: Step, candidate: Step, settings: GateSettings, deadline: float | None) -> bool:
+    """Run both variants untimed until caches settle. Like a pair, a warm-up round is not
+    started that would end past the deadline (predicted from the longest round so far); False
+    when the deadline cuts the warm-up short, so nothing would be timed warm."""
+    warm_start = time.perf_counter()
+    longest = 0.0
+    for i in range(max(settings.warmup, settings.max_warmup)):
+        now = time.perf_counter()
+        if i >= settings.warmup and now - warm_start >= settings.warmup_seconds:
+            break
+        if deadline is not None and now + longest > deadline:
+            return False
+        baseline.run()
+        candidate.run()
+        longest = max(longest, time.perf_counter() - now)
+    return True
 
 
 def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings,

@@ -48,7 +48,7 @@ from rewriter.pass_api import Pass, PassContext, registered_passes
 from rewriter.profiling import ProfileSettings, compare, profile_run
 from rewriter.record import Recorder, Recorded
 from rewriter.reference import Reference
-from rewriter.region import Region, dtype_of_region, find_regions
+from rewriter.region import Region, captured_dtype, dtype_of_region, find_regions
 from rewriter.report import Decision, Report
 from rewriter.site_gate import REGION_TIMING, measure_region, original_ms, verify_region
 from rewriter.state import preserved_state
@@ -333,24 +333,36 @@ class Run:
     # --- a pass decided per region signature ---------------------------------------------------
     def _try_on_regions(self, p: Pass, regions: list[tuple[GraphSlot, Region]],
                         descriptions: list[str]) -> Decision:
-        with self._phase("record"):
-            values = self._record(regions)
-        if values is None:
-            return self._try_on_step(p, descriptions, note="measured on the whole step: a graph "
-                                     "was not run in the recording run")
         device, mode, precision = self.job.backend.name, mode_of(self.ctx), self._precision()
         groups: dict[str, list[tuple[GraphSlot, Region]]] = defaultdict(list)
         for slot, r in regions:
             groups[r.signature(device, mode, p.version, precision)].append((slot, r))
+        # A signature the knowledge base rejects is not run at all: recording its boundary
+        # values and verifying it would only decide what is already decided (a kept one is
+        # still verified on this model's values).
+        settled = {sig: row for sig, members in groups.items()
+                   if (row := self._known_rejection(p, sig, members, precision)) is not None}
+        to_run = [(slot, r) for sig, members in groups.items() if sig not in settled
+                  for slot, r in members]
+        values: dict[str, dict[str, Recorded]] = {}
+        if to_run:
+            with self._phase("record"):
+                recorded = self._record(to_run)
+            if recorded is None:
+                return self._try_on_step(p, descriptions, note="measured on the whole step: a "
+                                         "graph was not run in the recording run")
+            values = recorded
         precise = self.kept + ([KeptPass(q) for q in self.passes if q.sets_precision]
                                if getattr(self, "_speculative", False) else [])
         overlay = overlay_for(precise, dataclasses.replace(self.ctx, region=True))
         kept_sigs, rows, kept_structures, rejected_structures, rejected = set(), [], set(), set(), set()
-        worst_err = 0.0
+        worst_err: float | None = None  # None: no region of it was run (all rejected on record)
         for sig, members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
-            row = self._decide_signature(p, sig, members, values, overlay, precision)
+            row = settled.get(sig) or self._decide_signature(p, sig, members, values, overlay,
+                                                             precision)
             rows.append(row)
-            worst_err = max(worst_err, row.get("max_abs_error") or 0.0)
+            if row.get("max_abs_error") is not None:
+                worst_err = max(worst_err or 0.0, row["max_abs_error"])
             structure = members[0][1].structure_key
             if row["kept"]:
                 kept_sigs.add(sig)
@@ -417,20 +429,10 @@ class Run:
                    verification=worst.describe() + (f" ({checked} of {len(members)} sites checked; "
                                                     "the composed model is verified whole)"
                                                     if checked < len(members) else ""))
-        key = entry_key(first.signature_text(self.job.backend.name, mode_of(self.ctx), p.version,
-                                             precision),
-                        {**self.job.backend.knowledge_key(), "region timing": REGION_TIMING})
-        known = self.settings.knowledge_base.get(key)
+        key = self._region_key(p, first, precision)
+        known = self._known_row(key, len(members))
         if known is not None:
-            keep, reason = known_verdict(known, self.settings.min_speedup,
-                                         self.settings.gate.noise_widths)
-            keep, reason = self._negligible(
-                keep, reason, (known["baseline_ms"] - known["candidate_ms"]) * len(members))
-            row.update(kept=keep, status="kept" if keep else "rejected", source="knowledge base",
-                       reason=reason,
-                       speedup=known["speedup"], noise=known["noise"], measurement=known,
-                       region_ms_before=known["baseline_ms"], region_ms_after=known["candidate_ms"],
-                       saved_ms_per_step=(known["baseline_ms"] - known["candidate_ms"]) * len(members))
+            row.update(known)
             return row
         if self._out_of_time():
             row.update(status="not reached", reason="the time budget ran out before measuring it")
@@ -453,8 +455,41 @@ class Run:
                    region_ms_before=m.baseline_ms, region_ms_after=m.candidate_ms,
                    saved_ms_per_step=m.saved_ms * len(members))
         if m.storable(self.settings.gate.min_pairs):
-            self.settings.knowledge_base.put(key, {**m.to_dict(), "pass": p.name, "example": first.label})
+            self.settings.knowledge_base.put(key, {**m.to_dict(), "pass": p.name, "example": first.label,
+                                                   "ran_in": row["ran_in"]})
         return row
+
+    def _region_key(self, p: Pass, r: Region, precision: str | None) -> str:
+        return entry_key(r.signature_text(self.job.backend.name, mode_of(self.ctx), p.version,
+                                          precision),
+                         {**self.job.backend.knowledge_key(), "region timing": REGION_TIMING})
+
+    def _known_row(self, key: str, sites: int) -> dict | None:
+        """The knowledge base's figures for a signature, judged under today's margin, as the
+        fields of its report row (None: not in the knowledge base)."""
+        known = self.settings.knowledge_base.get(key)
+        if known is None:
+            return None
+        keep, reason = known_verdict(known, self.settings.min_speedup, self.settings.gate.noise_widths)
+        saved = (known["baseline_ms"] - known["candidate_ms"]) * sites
+        keep, reason = self._negligible(keep, reason, saved)
+        return dict(kept=keep, status="kept" if keep else "rejected", source="knowledge base",
+                    reason=reason, speedup=known["speedup"], noise=known["noise"], measurement=known,
+                    region_ms_before=known["baseline_ms"], region_ms_after=known["candidate_ms"],
+                    saved_ms_per_step=saved)
+
+    def _known_rejection(self, p: Pass, sig: str, members: list[tuple[GraphSlot, Region]],
+                         precision: str | None) -> dict | None:
+        """The whole report row of a signature the knowledge base rejects (None otherwise)."""
+        first = members[0][1]
+        known = self._known_row(self._region_key(p, first, precision), len(members))
+        if known is None or known["kept"]:
+            return None
+        ran_in = known["measurement"].get("ran_in") or precision \
+            or str(captured_dtype(first.before)).replace("torch.", "")
+        return {"signature": sig, "sites": len(members), "example": first.label,
+                "boundary": first.boundary, "ran_in": ran_in, "max_abs_error": None,
+                "verification": "not run: rejected on its knowledge-base figures", **known}
 
     def _whole_model_agrees(self, p: Pass) -> bool:
         """The model with every site of ``p`` in (the slots' candidates) against the original;

@@ -265,7 +265,17 @@ def _canonical(gm: GraphModule) -> str:
 
 def dtype_of_region(values: list[Any]) -> torch.dtype:
     """The precision a region runs in: the lowest floating dtype among its inputs."""
-    found = {v.dtype for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    return lowest_float_dtype(v.dtype for v in values if isinstance(v, torch.Tensor))
+
+
+def captured_dtype(region_gm: GraphModule) -> torch.dtype:
+    """:func:`dtype_of_region` from the captured facts of a region's inputs (no values)."""
+    infos = (tensor_info(n) for n in region_gm.graph.nodes if n.op == "placeholder")
+    return lowest_float_dtype(i.dtype for i in infos if i is not None)
+
+
+def lowest_float_dtype(dtypes: Any) -> torch.dtype:
+    found = {d for d in dtypes if d.is_floating_point}
     for d in (torch.float16, torch.bfloat16, torch.float32):
         if d in found:
             return d

@@ -162,3 +162,34 @@ def test_a_pair_that_would_end_past_the_deadline_is_not_started(monkeypatch):
     m = measure(Step(lambda: None, (), "a"), Step(lambda: None, ("b",), "b"), clock=FakeClock(),
                 settings=dataclasses.replace(never, min_pairs=10), deadline=1.0, enough=lambda m: False)
     assert m.pairs == 4 and m.out_of_time
+
+
+def test_a_warm_up_round_that_would_end_past_the_deadline_is_not_started(monkeypatch):
+    # Warming up two 0.4 s steps: the first round ends at 0.8 s, a second would end past the
+    # 1 s deadline, so the comparison is out of time before any pair, and says so.
+    import types
+    from rewriter import gate
+    now = [0.0]
+    monkeypatch.setattr(gate, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    runs = []
+
+    def step(name):
+        return Step(lambda: runs.append(name) or now.__setitem__(0, now[0] + 0.4), (), name)
+
+    class NoClock:
+        def time(self, step):
+            raise AssertionError("nothing may be timed after a cut-short warm-up")
+    settings = GateSettings(warmup=3, max_warmup=3, warmup_seconds=0.0, min_pairs=2)
+    m = measure(step("a"), step("b"), clock=NoClock(), settings=settings, deadline=1.0)
+    assert runs == ["a", "b"] and m.out_of_time and m.pairs == 0
+    assert decide(m, 1.05) == (False, "not reached: the time budget ran out after 0 pair(s)")
+    # with time for it, the warm-up runs its rounds
+    now[0], runs[:] = 0.0, []
+    timed = []
+
+    class CountingClock:
+        def time(self, step):
+            timed.append(step.label)
+            return 0.1
+    m = measure(step("a"), step("b"), clock=CountingClock(), settings=settings, deadline=100.0)
+    assert runs[:6] == ["a", "b"] * 3 and not m.out_of_time and len(timed) >= 4

@@ -131,6 +131,36 @@ def test_a_rejection_in_the_knowledge_base_is_replayed_as_a_rejection(tmp_path, 
     assert not d.kept and "slower" in d.reason and d.regions[0]["source"] == "knowledge base"
 
 
+def test_a_rejection_in_the_knowledge_base_is_neither_recorded_nor_verified(tmp_path, blocks,
+                                                                             monkeypatch):
+    # Replaying a rejection decides nothing new: the run records no boundary values and verifies
+    # no region for it. A kept signature is still verified on this model's values.
+    import rewriter.pipeline as pipeline
+    model, x = blocks
+    kb = tmp_path / "kb.json"
+    _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 2.0}), knowledge_base=kb)
+    _opt(model, (x,), [RewriteRelu("b")], ControlledClock({"b": 0.5}), knowledge_base=kb)
+    recorded, verified = [], []
+    real_record, real_region = pipeline.Run._record, pipeline.verify_region
+    monkeypatch.setattr(pipeline.Run, "_record",
+                        lambda self, regions: recorded.append(len(regions)) or real_record(self, regions))
+    monkeypatch.setattr(pipeline, "verify_region",
+                        lambda r, *a, **k: verified.append(r.pass_name) or real_region(r, *a, **k))
+    rejected = _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 0.5}), knowledge_base=kb)
+    row = _decision(rejected, "a").regions[0]
+    assert not row["kept"] and row["source"] == "knowledge base" and "slower" in row["reason"]
+    assert recorded == [] and verified == []
+    assert row["ran_in"] == "float32" and row["verification"].startswith("not run")
+    assert row["max_abs_error"] is None and _decision(rejected, "a").max_abs_error is None
+    lines = [l for l in rejected.report.to_markdown().splitlines() if l.startswith("| a |")]
+    assert any("| - | knowledge base | rejected" in l for l in lines)  # the region row: no error
+    kept = _opt(model, (x,), [RewriteRelu("b")], ControlledClock({"b": 0.5}), knowledge_base=kb)
+    row = _decision(kept, "b").regions[0]
+    assert row["kept"] and row["source"] == "knowledge base"
+    assert recorded == [4] and verified == ["b"] * 3
+    torch.testing.assert_close(kept(x), model(x))
+
+
 def _burst(share):
     """Load from another process: the original region's samples come out 3x slower in
     ``share`` of them, so the replacement only looks faster."""
