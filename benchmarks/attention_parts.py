@@ -39,7 +39,7 @@ def forms(batch: int, heads: int, seq: int, dim: int) -> dict[str, Callable[...,
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention_parts",
-                                description=__doc__.split("\n\n")[0])
+                                description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)

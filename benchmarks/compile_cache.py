@@ -35,7 +35,7 @@ def child(model: str, quick: bool, training: bool) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.compile_cache", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compile_cache", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--model", default="llama")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--mode", choices=("train", "infer"), default="train")

@@ -130,7 +130,7 @@ def _burn(seconds: float) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.decisions", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decisions", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODEL_NAMES))
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     p.add_argument("--runs", type=int, default=5)

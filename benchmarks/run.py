@@ -55,7 +55,7 @@ MODES = {"train": ("train",), "infer": ("infer",), "both": ("train", "infer")}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODEL_NAMES),
                    help=f"models to run, space- or comma-separated (default: all: {', '.join(MODEL_NAMES)})")
     p.add_argument("--configs", nargs="+", default=list(CONFIG_NAMES),

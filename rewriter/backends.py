@@ -71,24 +71,33 @@ class AttentionSpec:
 
 @functools.lru_cache(maxsize=1)  # the CPU does not change under a process; keys ask often
 def cpu_info() -> tuple[str, frozenset[str]]:
-    """The CPU's model name and ISA flags (x86's ``flags`` line) from /proc/cpuinfo (elsewhere,
-    and on ARM's ``Features``: the platform's processor string, no flags)."""
-    name, flags = "", set()
+    """The CPU's model name and ISA flags from /proc/cpuinfo (x86's ``flags`` line, ARM's
+    ``Features``); without it, the platform's processor string and no flags."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip().lower()
-                if key in ("model name", "hardware", "cpu model") and not name:
-                    name = value.strip()
-                elif key == "flags" and not flags:
-                    flags = set(value.split())
-                if name and flags:
-                    break
+            name, flags = parse_cpuinfo(f)
     except OSError:
-        pass
+        name, flags = "", frozenset()
     import platform
-    return name or platform.processor() or platform.machine() or "unknown CPU", frozenset(flags)
+    return name or platform.processor() or platform.machine() or "unknown CPU", flags
+
+
+def parse_cpuinfo(lines: Any) -> tuple[str, frozenset[str]]:
+    """The first processor's model name and ISA flags from /proc/cpuinfo's lines::
+
+        parse_cpuinfo(["model name : AMD EPYC", "flags : fpu avx2"])  # ('AMD EPYC', {'fpu', 'avx2'})
+    """
+    name, flags = "", set()
+    for line in lines:
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "hardware", "cpu model") and not name:
+            name = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+        if name and flags:
+            break
+    return name, frozenset(flags)
 
 
 def cpu_model() -> str:

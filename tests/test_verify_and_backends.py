@@ -200,3 +200,21 @@ def test_float64_yardstick_copies_the_model_and_runs_on_the_host_for_npu(fake_to
     fp32 = job.numerics(model)
     for k in fp32:
         torch.testing.assert_close(values[k].float(), fp32[k], rtol=1e-5, atol=1e-6)
+
+
+def test_cpuinfo_flags_are_read_on_x86_and_on_arm():
+    from benchmarks.measure import _isa
+    from rewriter.backends import parse_cpuinfo
+    x86 = ["processor\t: 0", "model name\t: Intel(R) Xeon(R) Platinum 8480+",
+           "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16", "", "processor\t: 1",
+           "model name\t: other", "flags\t\t: fpu"]
+    name, flags = parse_cpuinfo(x86)
+    assert name == "Intel(R) Xeon(R) Platinum 8480+" and "amx_bf16" in flags and "fpu" in flags
+    assert _isa(flags) == {"avx512": True, "avx512_bf16": True, "amx_bf16": True}
+    # aarch64 names its ISA extensions on a "Features" line, and often no model name
+    arm = ["processor\t: 0", "BogoMIPS\t: 2100.00",
+           "Features\t: fp asimd evtstrm aes sve asimddp bf16 i8mm", "CPU implementer\t: 0x41"]
+    name, flags = parse_cpuinfo(arm)
+    assert name == "" and {"sve", "bf16"} <= flags
+    assert _isa(flags) == {"sve": True, "bf16": True, "i8mm": True}
+    assert _isa(frozenset()) == {}
