@@ -441,7 +441,12 @@ class Run:
         too_small, once_ms = self._too_small_to_measure(r, self._values(values, slot, r), overlay,
                                                         len(members))
         if too_small:
-            row.update(status="rejected", source="measured", reason=too_small)
+            row.update(status="rejected", source="measured", reason=too_small,
+                       region_ms_before=once_ms)
+            # only the original's time: load only ever slows a sample, so no busy machine makes
+            # a region look negligible; whether it is, each run judges against its own step
+            self.settings.knowledge_base.put(key, {"original_ms": once_ms, "pass": p.name,
+                                                   "example": first.label, "ran_in": row["ran_in"]})
             return row
         with self._phase("measure"):
             m = measure_region(r, self._values(values, slot, r), self.job.training, clock=self.clock,
@@ -470,6 +475,11 @@ class Run:
         known = self.settings.knowledge_base.get(key)
         if known is None:
             return None
+        if known.get("speedup") is None:  # a region found negligible: the original's time alone
+            reason = self._negligible_original(known["original_ms"], sites)
+            return dict(kept=False, status="rejected", source="knowledge base", measurement=known,
+                        reason=f"{reason} (knowledge base, measured {known.get('recorded', '')})",
+                        region_ms_before=known["original_ms"]) if reason else None
         keep, reason = known_verdict(known, self.settings.min_speedup, self.settings.gate.noise_widths)
         saved = (known["baseline_ms"] - known["candidate_ms"]) * sites
         keep, reason = self._negligible(keep, reason, saved)
@@ -520,11 +530,17 @@ class Run:
         with self._phase("measure"):
             once = original_ms(r, values, self.job.training, clock=self.clock,
                                forms=self._forms(r, overlay))
-        if once * sites >= self.settings.gate.negligible * step_ms:
-            return "", once
-        return (f"negligible: the original region takes {once:.4f} ms a call, {once * sites:.4f} ms "
-                f"at its {sites} site(s) of a ~{step_ms:.0f} ms step (under "
-                f"{100 * self.settings.gate.negligible:g}%): not measured against its replacement"), once
+        return self._negligible_original(once, sites), once
+
+    def _negligible_original(self, once_ms: float, sites: int) -> str:
+        """Why a region whose original takes ``once_ms`` a call is not worth comparing ("" when
+        it is): at all its sites it is under the negligible share of this run's step."""
+        step_ms, share = 1e3 * self.step_seconds, self.settings.gate.negligible
+        if step_ms <= 0 or share <= 0 or once_ms * sites >= share * step_ms:
+            return ""
+        return (f"negligible: the original region takes {once_ms:.4f} ms a call, "
+                f"{once_ms * sites:.4f} ms at its {sites} site(s) of a ~{step_ms:.0f} ms step (under "
+                f"{100 * share:g}%): not measured against its replacement")
 
     @staticmethod
     def _values(values: dict[str, dict[str, Recorded]], slot: GraphSlot, r: Region) -> list[Recorded]:

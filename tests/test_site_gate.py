@@ -324,6 +324,38 @@ def test_a_region_too_cheap_to_matter_is_not_measured_against_its_replacement(bl
     assert region_samples == [()] * 3  # three runs of the original, the replacement never timed
 
 
+def test_a_negligible_region_is_remembered_and_judged_against_each_runs_step(tmp_path, blocks,
+                                                                              monkeypatch):
+    # The original's time is stored; a later run replays "negligible" without recording or
+    # timing anything, and a run whose margin makes the region matter compares it.
+    import dataclasses
+
+    import rewriter.pipeline as pipeline
+    model, x = blocks
+    kb = tmp_path / "kb.json"
+    gate = dataclasses.replace(QUICK, negligible=0.5)
+
+    def run(gate, clock):
+        return rewriter.optimize(model, (x,), passes=[RewriteRelu("a")], clock=clock, gate=gate,
+                                 profile=False, progress=False, knowledge_base=kb)
+    first = run(gate, ControlledClock({"a": 0.5}, base=1e-6))
+    assert _decision(first, "a").regions[0]["source"] == "measured"
+    recorded = []
+    real_record = pipeline.Run._record
+    monkeypatch.setattr(pipeline.Run, "_record",
+                        lambda self, regions: recorded.append(len(regions)) or real_record(self, regions))
+    clock = ControlledClock({"a": 0.5}, base=1e-6)
+    again = run(gate, clock)
+    row = _decision(again, "a").regions[0]
+    assert not row["kept"] and row["source"] == "knowledge base" and "negligible" in row["reason"]
+    assert recorded == [] and _region_samples(clock, "a") == 0
+    assert [scope for scope in clock.scopes if scope == "region"] == []
+    clock = ControlledClock({"a": 0.5}, base=1e-6)
+    wider = run(dataclasses.replace(gate, negligible=0.0), clock)  # now every region matters
+    row = _decision(wider, "a").regions[0]
+    assert row["source"] == "measured" and recorded == [4] and _region_samples(clock, "a") > 0
+
+
 def test_a_suspected_regression_is_measured_on_twice_the_fewest_pairs_before_any_ablation(blocks):
     import dataclasses
     model, x = blocks
