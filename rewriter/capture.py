@@ -18,7 +18,7 @@ import inspect
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -213,8 +213,38 @@ class DynamoCapture(Capture):
         return slot
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(ignore_logging_functions=self._ignored_logging):
+        with torch._dynamo.config.patch(ignore_logging_functions=self._ignored_logging), \
+                _unlogged_trace_headers_skipped():
             return self.compiled(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _unlogged_trace_headers_skipped() -> Iterator[None]:
+    """Dynamo writes a "file:line in function" header for every node it records, for a debug
+    log (``TORCH_LOGS=trace_call``) whether or not that log is on, and naming the function
+    tokenizes each source file it traces once per process: about 1 s of the first capture of
+    a transformers model on this CPU (4.6 -> 3.6 s, LLaMA, 4 layers). With the logs that print
+    the header off, the function name is left out of it; with them on, nothing changes."""
+    try:
+        import torch._dynamo.symbolic_convert as sc
+    except ImportError:  # pragma: no cover - a torch without this module
+        yield
+        return
+    logs = [getattr(sc, name, None) for name in ("trace_call_log", "trace_source_log")]
+    if not callable(getattr(sc, "get_funcname", None)) or \
+            any(lg is None or lg.isEnabledFor(logging.DEBUG) for lg in logs):
+        yield
+        return
+    real = sc.get_funcname
+    sc.get_funcname = _no_funcname
+    try:
+        yield
+    finally:
+        sc.get_funcname = real
+
+
+def _no_funcname(filename: str, lineno: int) -> None:
+    return None
 
 
 def _once_logging_functions() -> set[Callable[..., Any]]:

@@ -311,3 +311,26 @@ def test_the_knowledge_base_of_another_machine_is_not_replayed(tmp_path, attn, m
     assert source(_opt(model, (x,), knowledge_base=kb)) == "knowledge base"
     _on_another_machine(monkeypatch)
     assert source(_opt(model, (x,), knowledge_base=kb)) == "measured"
+
+
+def test_dynamo_skips_function_names_only_for_the_trace_logs_that_are_off():
+    # Dynamo names the function of every node it records for a debug header; the name costs a
+    # tokenize of each traced source file. The capture skips it while those logs are off.
+    import torch._dynamo.symbolic_convert as sc
+
+    from rewriter.capture import DynamoCapture, _unlogged_trace_headers_skipped
+    real = sc.get_funcname
+    with _unlogged_trace_headers_skipped():
+        assert sc.get_funcname("x.py", 1) is None and sc.get_funcname is not real
+    assert sc.get_funcname is real
+    try:
+        torch._logging.set_logs(trace_call=True)
+        with _unlogged_trace_headers_skipped():
+            assert sc.get_funcname is real  # a user reading the trace log gets the names
+    finally:
+        torch._logging.set_logs()
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.randn(2, 4)
+    cap = DynamoCapture(model, "test")
+    torch.testing.assert_close(cap(x), model(x))
+    assert cap.slots and sc.get_funcname is real
