@@ -90,7 +90,7 @@ def relative_error(out: Any, reference: torch.Tensor) -> float:
 
 def _isa(flags: frozenset[str]) -> dict:
     """What decides CPU kernel speed here (native bf16 above all), by the flags' own names."""
-    if "asimd" in flags:  # ARM (aarch64): bf16 and SVE are ARMv8.6 / v8.2 extensions
+    if "asimd" in flags or "neon" in flags:  # ARM: bf16 and SVE are ARMv8.6 / v8.2 extensions
         return {"sve": "sve" in flags, "bf16": "bf16" in flags, "i8mm": "i8mm" in flags}
     if flags:
         return {"avx512": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,

@@ -85,7 +85,8 @@ def cpu_info() -> tuple[str, frozenset[str]]:
 def parse_cpuinfo(lines: Any) -> tuple[str, frozenset[str]]:
     """The first processor's model name and ISA flags from /proc/cpuinfo's lines::
 
-        parse_cpuinfo(["model name : AMD EPYC", "flags : fpu avx2"])  # ('AMD EPYC', {'fpu', 'avx2'})
+        parse_cpuinfo(["model name : AMD EPYC", "flags : fpu avx2"])
+        # ('AMD EPYC', frozenset({'fpu', 'avx2'}))
     """
     name, flags = "", set()
     for line in lines:

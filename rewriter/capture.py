@@ -224,16 +224,18 @@ def _unlogged_trace_headers_skipped() -> Iterator[None]:
     log (``TORCH_LOGS=trace_call``) whether or not that log is on, and naming the function
     tokenizes each source file it traces once per process: about 1 s of the first capture of
     a transformers model on this CPU (4.6 -> 3.6 s, LLaMA, 4 layers). With the logs that print
-    the header off, the function name is left out of it; with them on, nothing changes."""
+    the header off, the function name is left out of it; with them on, nothing changes. (In
+    torch 2.13 the header feeds only those logs; graph-break messages name frames otherwise.)"""
     try:
         import torch._dynamo.symbolic_convert as sc
     except ImportError:  # pragma: no cover - a torch without this module
         yield
         return
     logs = [getattr(sc, name, None) for name in ("trace_call_log", "trace_source_log")]
-    if not callable(getattr(sc, "get_funcname", None)) or \
+    current = getattr(sc, "get_funcname", None)
+    if not callable(current) or current is _no_funcname or \
             any(lg is None or lg.isEnabledFor(logging.DEBUG) for lg in logs):
-        yield
+        yield  # (already skipped by a call in flight: that call puts the real one back)
         return
     real = sc.get_funcname
     sc.get_funcname = _no_funcname

@@ -22,8 +22,10 @@ A region's key also carries how regions are timed (``site_gate.REGION_TIMING``),
 figure's how steps are timed (``Job.step_knowledge_key``): figures measured another way are
 measured again, not replayed.
 Only completed timings are stored (kept, slower, below the margin, within noise); a comparison
-a busy machine spoiled, or one the time budget cut short, is not. Verification is never taken from here: every site is verified
-in every run. The default location is ``$REWRITER_KNOWLEDGE_BASE`` (a file path, or ``off``),
+a busy machine spoiled, or one the time budget cut short, is not. A region too cheap to compare
+is stored as its original's time alone (``original_ms``), judged against each run's own step.
+Verification is never taken from here: a signature replayed as kept is verified on the run's
+own values; one replayed as rejected is not run at all, so there is nothing to verify. The default location is ``$REWRITER_KNOWLEDGE_BASE`` (a file path, or ``off``),
 else ``$XDG_CACHE_HOME/rewriter/knowledge_base.json`` (``~/.cache`` when unset).
 """
 from __future__ import annotations

@@ -78,7 +78,8 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
                         Step(fused.step, ("fuse_optimizer",), "fused step", scope="optimizer"),
                         clock=clock, settings=settings, min_speedup=min_speedup, deadline=deadline)
             keep, reason = decide(m, min_speedup, settings.noise_widths)
-            figures, speedup, noise = m.to_dict(), m.speedup, m.noise
+            figures = m.to_dict()  # (finite figures or None: a cut-short warm-up has no pair)
+            speedup, noise = figures["speedup"], figures["noise"]
             if knowledge_base is not None and m.storable(settings.min_pairs):
                 knowledge_base.put(key, {**figures, "pass": "fuse_optimizer",
                                          "example": cand.description})

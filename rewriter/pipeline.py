@@ -356,7 +356,7 @@ class Run:
                                if getattr(self, "_speculative", False) else [])
         overlay = overlay_for(precise, dataclasses.replace(self.ctx, region=True))
         kept_sigs, rows, kept_structures, rejected_structures, rejected = set(), [], set(), set(), set()
-        worst_err: float | None = None  # None: no region of it was run (all rejected on record)
+        worst_err: float | None = None  # None: no region of it verified (none run, or all failed)
         for sig, members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
             row = settled.get(sig) or self._decide_signature(p, sig, members, values, overlay,
                                                              precision)
@@ -455,12 +455,15 @@ class Run:
                                original_seconds=None if once_ms is None else once_ms / 1e3)
         keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
         keep, reason = self._negligible(keep, reason, m.saved_ms * len(members))
+        figures = m.to_dict()  # finite figures or None (no pair: a warm-up the budget cut short)
+        saved = _saved(figures)
         row.update(kept=keep, status="kept" if keep else "rejected", source="measured",
-                   reason=reason, speedup=m.speedup, noise=m.noise, measurement=m.to_dict(),
-                   region_ms_before=m.baseline_ms, region_ms_after=m.candidate_ms,
-                   saved_ms_per_step=m.saved_ms * len(members))
+                   reason=reason, speedup=figures["speedup"], noise=figures["noise"],
+                   measurement=figures, region_ms_before=figures["baseline_ms"],
+                   region_ms_after=figures["candidate_ms"],
+                   saved_ms_per_step=None if saved is None else saved * len(members))
         if m.storable(self.settings.gate.min_pairs):
-            self.settings.knowledge_base.put(key, {**m.to_dict(), "pass": p.name, "example": first.label,
+            self.settings.knowledge_base.put(key, {**figures, "pass": p.name, "example": first.label,
                                                    "ran_in": row["ran_in"]})
         return row
 
@@ -475,7 +478,7 @@ class Run:
         known = self.settings.knowledge_base.get(key)
         if known is None:
             return None
-        if known.get("speedup") is None:  # a region found negligible: the original's time alone
+        if "original_ms" in known:  # a region found negligible: the original's time alone
             reason = self._negligible_original(known["original_ms"], sites)
             return dict(kept=False, status="rejected", source="knowledge base", measurement=known,
                         reason=f"{reason} (knowledge base, measured {known.get('recorded', '')})",
@@ -621,7 +624,8 @@ class Run:
             peaks = self._peaks(self._variant_step(False, base, "kept"),
                                 self._variant_step(True, base + (p.name,), "candidate"), m)
             keep, reason, decided_by = self._by_objective(m, keep, reason, peaks)
-            speedup, noise, figures, saved = m.speedup, m.noise, m.to_dict(), m.saved_ms
+            figures = m.to_dict()  # finite figures or None (no pair: a cut-short warm-up)
+            speedup, noise, saved = figures["speedup"], figures["noise"], m.saved_ms
             if key and m.storable(self.settings.gate.min_pairs):
                 self.settings.knowledge_base.put(key, {**figures, "pass": p.name, "example": "whole step"})
         if keep:

@@ -313,7 +313,7 @@ def test_the_knowledge_base_of_another_machine_is_not_replayed(tmp_path, attn, m
     assert source(_opt(model, (x,), knowledge_base=kb)) == "measured"
 
 
-def test_dynamo_skips_function_names_only_for_the_trace_logs_that_are_off():
+def test_dynamo_skips_function_names_only_for_the_trace_logs_that_are_off(monkeypatch):
     # Dynamo names the function of every node it records for a debug header; the name costs a
     # tokenize of each traced source file. The capture skips it while those logs are off.
     import torch._dynamo.symbolic_convert as sc
@@ -329,8 +329,26 @@ def test_dynamo_skips_function_names_only_for_the_trace_logs_that_are_off():
             assert sc.get_funcname is real  # a user reading the trace log gets the names
     finally:
         torch._logging.set_logs()
+    # and a capture's calls are made with it: Dynamo asks for no name while it traces
+    import rewriter.capture as capture_module
+    asked = []
+    monkeypatch.setattr(capture_module, "_no_funcname", lambda f, l: asked.append(l))
+
+    class OnlyHere(torch.nn.Module):  # code Dynamo has not traced in this process
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x)) * 3.0
     torch.manual_seed(0)
-    model, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.randn(2, 4)
+    model, x = OnlyHere(), torch.randn(2, 4)
     cap = DynamoCapture(model, "test")
     torch.testing.assert_close(cap(x), model(x))
-    assert cap.slots and sc.get_funcname is real
+    assert cap.slots and asked and sc.get_funcname is real
+    # calls in flight at once (threads) leave the real one in place when the last ends
+    with _unlogged_trace_headers_skipped():
+        with _unlogged_trace_headers_skipped():
+            pass
+        assert sc.get_funcname is capture_module._no_funcname
+    assert sc.get_funcname is real

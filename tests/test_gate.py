@@ -183,6 +183,7 @@ def test_a_warm_up_round_that_would_end_past_the_deadline_is_not_started(monkeyp
     m = measure(step("a"), step("b"), clock=NoClock(), settings=settings, deadline=1.0)
     assert runs == ["a", "b"] and m.out_of_time and m.pairs == 0
     assert decide(m, 1.05) == (False, "not reached: the time budget ran out after 0 pair(s)")
+    assert m.to_dict()["speedup"] is None and m.to_dict()["noise"] is None  # what reports show
     # with time for it, the warm-up runs its rounds
     now[0], runs[:] = 0.0, []
     timed = []
