@@ -256,12 +256,17 @@ def _warm_up(baseline: Step, candidate: Step, settings: GateSettings, deadline: 
         now = time.perf_counter()
         if i >= settings.warmup and now - warm_start >= settings.warmup_seconds:
             break
-        if deadline is not None and now + longest > deadline:
+        if _next_ends_past(deadline, longest):
             return False
         baseline.run()
         candidate.run()
         longest = max(longest, time.perf_counter() - now)
     return True
+
+
+def _next_ends_past(deadline: float | None, longest: float) -> bool:
+    """A round started now that takes as long as the longest so far would end past ``deadline``."""
+    return deadline is not None and time.perf_counter() + longest > deadline
 
 
 def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings,
@@ -283,7 +288,7 @@ def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings
         if early is not None and i + 1 < settings.min_pairs and not any(m.flagged) and early(m):
             break
         # A pair is not started that would end past the deadline (a 1 s step makes 2 s pairs).
-        past_deadline = deadline is not None and time.perf_counter() + longest > deadline
+        past_deadline = _next_ends_past(deadline, longest)
         if past_deadline and i + 1 < settings.min_pairs:
             m.out_of_time = True  # the budget ends here: no verdict from a few pairs
             break

@@ -337,11 +337,13 @@ class Run:
         groups: dict[str, list[tuple[GraphSlot, Region]]] = defaultdict(list)
         for slot, r in regions:
             groups[r.signature(device, mode, p.version, precision)].append((slot, r))
+        keys = {sig: self._region_key(p, members[0][1], precision) for sig, members in groups.items()}
+        known = {sig: self._known_row(keys[sig], len(members)) for sig, members in groups.items()}
         # A signature the knowledge base rejects is not run at all: recording its boundary
         # values and verifying it would only decide what is already decided (a kept one is
         # still verified on this model's values).
-        settled = {sig: row for sig, members in groups.items()
-                   if (row := self._known_rejection(p, sig, members, precision)) is not None}
+        settled = {sig: self._unrun_row(sig, members, precision, k) for sig, members in groups.items()
+                   if (k := known[sig]) is not None and not k["kept"]}
         to_run = [(slot, r) for sig, members in groups.items() if sig not in settled
                   for slot, r in members]
         values: dict[str, dict[str, Recorded]] = {}
@@ -359,7 +361,7 @@ class Run:
         worst_err: float | None = None  # None: no region of it verified (none run, or all failed)
         for sig, members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
             row = settled.get(sig) or self._decide_signature(p, sig, members, values, overlay,
-                                                             precision)
+                                                             keys[sig], known[sig])
             rows.append(row)
             if row.get("max_abs_error") is not None:
                 worst_err = max(worst_err or 0.0, row["max_abs_error"])
@@ -398,14 +400,14 @@ class Run:
         return None
 
     def _decide_signature(self, p: Pass, sig: str, members: list[tuple[GraphSlot, Region]],
-                          values: dict[str, dict[str, Recorded]], overlay: Any,
-                          precision: str | None) -> dict:
+                          values: dict[str, dict[str, Recorded]], overlay: Any, key: str,
+                          known: dict | None) -> dict:
+        """Verify a sample of the signature's sites, then decide it: from ``known`` (its
+        knowledge-base row, :meth:`_known_row`) when there is one, else by measuring (and
+        store the figures under ``key``)."""
         first = members[0][1]
         first_values = self._values(values, members[0][0], first)
-        row: dict[str, Any] = {"signature": sig, "sites": len(members),
-                               "example": first.label, "boundary": first.boundary, "kept": False,
-                               "ran_in": str(dtype_of_region([v.value for v in first_values])
-                                             ).replace("torch.", "")}
+        row = _row_head(sig, members, dtype_of_region([v.value for v in first_values]))
         with self._phase("verify"):
             worst = Comparison(True)
             sample = _verify_sample(members)
@@ -429,8 +431,6 @@ class Run:
                    verification=worst.describe() + (f" ({checked} of {len(members)} sites checked; "
                                                     "the composed model is verified whole)"
                                                     if checked < len(members) else ""))
-        key = self._region_key(p, first, precision)
-        known = self._known_row(key, len(members))
         if known is not None:
             row.update(known)
             return row
@@ -491,17 +491,14 @@ class Run:
                     region_ms_before=known["baseline_ms"], region_ms_after=known["candidate_ms"],
                     saved_ms_per_step=saved)
 
-    def _known_rejection(self, p: Pass, sig: str, members: list[tuple[GraphSlot, Region]],
-                         precision: str | None) -> dict | None:
-        """The whole report row of a signature the knowledge base rejects (None otherwise)."""
+    @staticmethod
+    def _unrun_row(sig: str, members: list[tuple[GraphSlot, Region]], precision: str | None,
+                   known: dict) -> dict:
+        """The whole report row of a signature decided by ``known`` (its knowledge-base row)
+        without running it: no values recorded, nothing verified."""
         first = members[0][1]
-        known = self._known_row(self._region_key(p, first, precision), len(members))
-        if known is None or known["kept"]:
-            return None
-        ran_in = known["measurement"].get("ran_in") or precision \
-            or str(captured_dtype(first.before)).replace("torch.", "")
-        return {"signature": sig, "sites": len(members), "example": first.label,
-                "boundary": first.boundary, "ran_in": ran_in, "max_abs_error": None,
+        ran_in = known["measurement"].get("ran_in") or precision or captured_dtype(first.before)
+        return {**_row_head(sig, members, ran_in), "max_abs_error": None,
                 "verification": "not run: rejected on its knowledge-base figures", **known}
 
     def _whole_model_agrees(self, p: Pass) -> bool:
@@ -967,6 +964,14 @@ REPORT_PROFILE = ProfileSettings(wait=0, warmup=1, active=1)
 # verifying costs the same at any depth. The composed model is verified whole afterwards
 # (rewriter.confirm), and a failure there rolls the rewrites back.
 VERIFY_SAMPLE = 3
+
+
+def _row_head(sig: str, members: list[tuple[GraphSlot, Region]], ran_in: Any) -> dict[str, Any]:
+    """A signature's report row before it is decided; ``ran_in``: a dtype or its name."""
+    first = members[0][1]
+    return {"signature": sig, "sites": len(members), "example": first.label,
+            "boundary": first.boundary, "kept": False,
+            "ran_in": str(ran_in).replace("torch.", "")}
 
 
 def _verify_sample(members: list) -> list:
