@@ -341,11 +341,13 @@ class Run:
         known = {sig: self._known_row(keys[sig], len(members)) for sig, members in groups.items()}
         # A signature the knowledge base rejects is not run at all: recording its boundary
         # values and verifying it would only decide what is already decided (a kept one is
-        # still verified on this model's values).
+        # still verified on this model's values). Of the others, only the sites a signature is
+        # verified on (the first of them is also the one measured) are recorded: what one
+        # recording holds stays VERIFY_SAMPLE regions a signature at any depth.
         settled = {sig: self._unrun_row(sig, members, precision, k) for sig, members in groups.items()
                    if (k := known[sig]) is not None and not k["kept"]}
         to_run = [(slot, r) for sig, members in groups.items() if sig not in settled
-                  for slot, r in members]
+                  for slot, r in _verify_sample(members)]
         values: dict[str, dict[str, Recorded]] = {}
         if to_run:
             with self._phase("record"):
@@ -551,7 +553,8 @@ class Run:
         return (overlay(r.before), overlay(r.after)) if overlay is not None else None
 
     def _record(self, regions: list[tuple[GraphSlot, Region]]) -> dict[str, dict[str, Recorded]] | None:
-        """One run of the model as it now runs, recording every region's boundary values."""
+        """One run of the model as it now runs, recording the boundary values of ``regions``
+        (None when a graph one of them is in did not run)."""
         names: dict[str, set[str]] = defaultdict(set)
         for slot, r in regions:
             names[slot.name].update(r.inputs)
@@ -975,6 +978,8 @@ def _row_head(sig: str, members: list[tuple[GraphSlot, Region]], ran_in: Any) ->
 
 
 def _verify_sample(members: list) -> list:
+    """The sites of one signature that are verified, in order: first (also the one measured),
+    middle and last."""
     if len(members) <= VERIFY_SAMPLE:
         return members
     picks = sorted({round(i * (len(members) - 1) / (VERIFY_SAMPLE - 1)) for i in range(VERIFY_SAMPLE)})
