@@ -101,7 +101,7 @@ class GateSettings:
     budget_seconds: float = 4.0
     noise_widths: float = 2.0
     region_sample_seconds: float = 0.003  # a region sample repeats the region this long
-    region_warmup_seconds: float = 0.05   # a region is small: its caches settle fast
+    region_warmup_seconds: float = 0.05   # a region (and the optimizer step) is small: settles fast
     region_max_pairs: int = 200  # region samples are short: more pairs, same budget
     region_min_pairs: int = 10   # and no early verdict on a handful of them
     # a region that sits near the margin is not measured for ever: past this, its figures

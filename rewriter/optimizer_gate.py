@@ -13,6 +13,7 @@ never taken from the knowledge base) but does not time it again.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Any
@@ -74,9 +75,13 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
         else:
             base, _ = optimizers.scratch_optimizer(job.optimizer, None, seed=1)
             fused, _ = optimizers.scratch_optimizer(job.optimizer, cand, seed=1)
+            # An optimizer step reads only parameters, gradients and state: like a region, it
+            # settles within its first calls (the first allocates the state), so it warms up
+            # for a region's time, not for a whole step's.
+            quick = dataclasses.replace(settings, warmup_seconds=settings.region_warmup_seconds)
             m = measure(Step(base.step, (), "optimizer step", scope="optimizer"),
                         Step(fused.step, ("fuse_optimizer",), "fused step", scope="optimizer"),
-                        clock=clock, settings=settings, min_speedup=min_speedup, deadline=deadline)
+                        clock=clock, settings=quick, min_speedup=min_speedup, deadline=deadline)
             keep, reason = decide(m, min_speedup, settings.noise_widths)
             figures = m.to_dict()  # (finite figures or None: a cut-short warm-up has no pair)
             speedup, noise = figures["speedup"], figures["noise"]

@@ -381,6 +381,35 @@ def test_fused_optimizer_faster_on_its_step_is_returned_with_no_passes():
     assert fast.report.final["kept"] and opt2 is opt and opt.param_groups[0]["fused"]
 
 
+def test_the_optimizer_step_warms_up_for_a_regions_time_not_a_whole_steps(monkeypatch):
+    # Whole steps warm up for warmup_seconds (here a minute, so every one of max_warmup rounds);
+    # the optimizer's own step, short like a region, for region_warmup_seconds (here none: only
+    # the gate's fewest warm-up rounds).
+    import dataclasses
+
+    import rewriter.optimizer_gate as optimizer_gate
+    gate = dataclasses.replace(QUICK, warmup=2, max_warmup=10, warmup_seconds=60.0,
+                               region_warmup_seconds=0.0)
+    runs, pairs = [], []
+    real_measure = optimizer_gate.measure
+
+    def counting_measure(baseline, candidate, **kw):
+        counted = dataclasses.replace(baseline, run=lambda: runs.append(1) or baseline.run())
+        m = real_measure(counted, candidate, **kw)
+        pairs.append(len(m.baseline_times))
+        return m
+    monkeypatch.setattr(optimizer_gate, "measure", counting_measure)
+    torch.manual_seed(0)
+    model = ReluMLP().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    clock = ControlledClock({"fuse_optimizer": 0.3}, step_costs={"fuse_optimizer": 1.0})
+    fast = rewriter.optimize(model, (torch.randn(4, 16),), optimizer=opt, passes=[], clock=clock,
+                             gate=gate, loss_fn=lambda out: out.pow(2).mean(), profile=False,
+                             progress=False, knowledge_base=False)[0]
+    assert _decision(fast, "fuse_optimizer").kept
+    assert len(pairs) == 1 and len(runs) - pairs[0] == gate.warmup
+
+
 def test_the_optimizer_timing_is_replayed_from_the_knowledge_base_for_the_same_step(tmp_path):
     def once(d):
         torch.manual_seed(0)
