@@ -19,8 +19,9 @@ the step check of a composed step that showed no regression (``Run.confirmation_
 samples; rewriter.confirm). The device part of every key is ``Backend.knowledge_key()``: the
 torch and torch_npu versions, and the machine (CPU model and thread count, GPU or NPU name).
 A region's key also carries how regions are timed (``site_gate.REGION_TIMING``), a whole-step
-figure's how steps are timed (``Job.step_knowledge_key``): figures measured another way are
-measured again, not replayed.
+figure's how steps are timed (``Job.step_knowledge_key``), the optimizer's how its own step is
+timed (``optimizer_gate.OPTIMIZER_TIMING``): figures measured another way are measured again,
+not replayed.
 Only completed timings are stored (kept, slower, below the margin, within noise); a comparison
 a busy machine spoiled, or one the time budget cut short, is not. A region too cheap to compare
 is stored as its original's time alone (``original_ms``), judged against each run's own step.

@@ -381,6 +381,27 @@ def test_fused_optimizer_faster_on_its_step_is_returned_with_no_passes():
     assert fast.report.final["kept"] and opt2 is opt and opt.param_groups[0]["fused"]
 
 
+def test_optimizer_figures_timed_an_older_way_are_measured_again_not_replayed(tmp_path, monkeypatch):
+    import rewriter.optimizer_gate as optimizer_gate
+
+    def once():
+        torch.manual_seed(0)
+        model = ReluMLP().train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        clock = ControlledClock({"fuse_optimizer": 0.3}, step_costs={"fuse_optimizer": 1.0})
+        fast, _ = _opt(model, (torch.randn(4, 16),), [], clock, optimizer=opt,
+                       loss_fn=lambda out: out.pow(2).mean(), knowledge_base=tmp_path)
+        return _decision(fast, "fuse_optimizer"), sum(1 for s in clock.scopes if s == "optimizer")
+
+    monkeypatch.setattr(optimizer_gate, "OPTIMIZER_TIMING", "1")
+    old, timed_old = once()
+    replayed, timed_replayed = once()
+    assert timed_old > 0 and timed_replayed == 0 and "knowledge base" in replayed.reason  # stored
+    monkeypatch.undo()
+    again, timed_again = once()
+    assert again.kept and timed_again > 0 and "knowledge base" not in again.reason
+
+
 def test_the_optimizer_step_warms_up_for_a_regions_time_not_a_whole_steps(monkeypatch):
     # Whole steps warm up for warmup_seconds (here a minute, so every one of max_warmup rounds);
     # the optimizer's own step, short like a region, for region_warmup_seconds (here none: only
