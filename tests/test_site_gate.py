@@ -369,6 +369,22 @@ def test_a_suspected_regression_is_measured_on_twice_the_fewest_pairs_before_any
     assert f"over {2 * gate.confirm_pairs} pairs" in first  # not the 4 a quiet answer takes
 
 
+def test_a_suspected_regression_the_firm_pairs_do_not_show_is_not_measured_on(blocks):
+    # A composed step 8% slower under a step noise of +-10% a sample: below the floor on the
+    # usual pairs, so the check takes its firm pairs, and they answer it: not clear of the
+    # noise, so nothing is reverted (it is not measured on until the figures cross the line).
+    import dataclasses
+    model, x = blocks
+    gate = dataclasses.replace(QUICK, max_pairs=40)
+    clock = ControlledClock({"a": 0.5}, step_costs={"a": 1.08}, jitter=0.1)
+    fast = rewriter.optimize(model, (x,), passes=[RewriteRelu("a")], clock=clock, gate=gate,
+                             profile=False, progress=False, knowledge_base=False)
+    final = fast.report.final
+    assert final["kept"] and not final["reverted"] and _decision(fast, "a").kept
+    assert final["measurement"]["pairs"] == 2 * gate.confirm_pairs
+    assert final["speedup"] < gate.regression  # it did suspect one
+
+
 def test_fused_optimizer_faster_on_its_step_is_returned_with_no_passes():
     torch.manual_seed(0)
     model = ReluMLP().train()
