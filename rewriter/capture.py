@@ -238,12 +238,11 @@ def _unlogged_trace_headers_skipped() -> Iterator[None]:
             any(lg is None or lg.isEnabledFor(logging.DEBUG) for lg in logs):
         yield  # (already skipped by a call in flight: that call puts the real one back)
         return
-    real = sc.get_funcname
     sc.get_funcname = _no_funcname
     try:
         yield
     finally:
-        sc.get_funcname = real
+        sc.get_funcname = current
 
 
 def _no_funcname(filename: str, lineno: int) -> None:
