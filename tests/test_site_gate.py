@@ -385,13 +385,21 @@ def test_a_suspected_regression_the_firm_pairs_do_not_show_is_not_measured_on(bl
     assert final["speedup"] < gate.regression  # it did suspect one
 
 
-def test_fused_optimizer_faster_on_its_step_is_returned_with_no_passes():
+def _optimizer_only(d=16, gate=QUICK, **kw):
+    """optimize() with no passes over a ReluMLP and its AdamW, whose fused form the controlled
+    clock makes 0.3x on its own step (and no faster on the whole step)."""
     torch.manual_seed(0)
-    model = ReluMLP().train()
+    model = ReluMLP(d).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    x = torch.randn(4, 16)
     clock = ControlledClock({"fuse_optimizer": 0.3}, step_costs={"fuse_optimizer": 1.0})
-    fast, opt2 = _opt(model, (x,), [], clock, optimizer=opt, loss_fn=lambda out: out.pow(2).mean())
+    fast, returned = rewriter.optimize(model, (torch.randn(4, d),), optimizer=opt, passes=[],
+                                       clock=clock, gate=gate, loss_fn=lambda out: out.pow(2).mean(),
+                                       profile=False, progress=False, **kw)
+    return fast, opt, returned, clock
+
+
+def test_fused_optimizer_faster_on_its_step_is_returned_with_no_passes():
+    fast, opt, opt2, _ = _optimizer_only(knowledge_base=False)
     d = _decision(fast, "fuse_optimizer")
     assert d.kept and "on its own step" in d.reason
     assert fast.report.final["kept"] and opt2 is opt and opt.param_groups[0]["fused"]
@@ -401,12 +409,7 @@ def test_optimizer_figures_timed_an_older_way_are_measured_again_not_replayed(tm
     import rewriter.optimizer_gate as optimizer_gate
 
     def once():
-        torch.manual_seed(0)
-        model = ReluMLP().train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-        clock = ControlledClock({"fuse_optimizer": 0.3}, step_costs={"fuse_optimizer": 1.0})
-        fast, _ = _opt(model, (torch.randn(4, 16),), [], clock, optimizer=opt,
-                       loss_fn=lambda out: out.pow(2).mean(), knowledge_base=tmp_path)
+        fast, _, _, clock = _optimizer_only(knowledge_base=tmp_path)
         return _decision(fast, "fuse_optimizer"), sum(1 for s in clock.scopes if s == "optimizer")
 
     monkeypatch.setattr(optimizer_gate, "OPTIMIZER_TIMING", "1")
@@ -436,25 +439,14 @@ def test_the_optimizer_step_warms_up_for_a_regions_time_not_a_whole_steps(monkey
         pairs.append(len(m.baseline_times))
         return m
     monkeypatch.setattr(optimizer_gate, "measure", counting_measure)
-    torch.manual_seed(0)
-    model = ReluMLP().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    clock = ControlledClock({"fuse_optimizer": 0.3}, step_costs={"fuse_optimizer": 1.0})
-    fast = rewriter.optimize(model, (torch.randn(4, 16),), optimizer=opt, passes=[], clock=clock,
-                             gate=gate, loss_fn=lambda out: out.pow(2).mean(), profile=False,
-                             progress=False, knowledge_base=False)[0]
+    fast = _optimizer_only(gate=gate, knowledge_base=False)[0]
     assert _decision(fast, "fuse_optimizer").kept
     assert len(pairs) == 1 and len(runs) - pairs[0] == gate.warmup
 
 
 def test_the_optimizer_timing_is_replayed_from_the_knowledge_base_for_the_same_step(tmp_path):
     def once(d):
-        torch.manual_seed(0)
-        model = ReluMLP(d).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-        clock = ControlledClock({"fuse_optimizer": 0.3}, step_costs={"fuse_optimizer": 1.0})
-        fast, _ = _opt(model, (torch.randn(4, d),), [], clock, optimizer=opt,
-                       loss_fn=lambda out: out.pow(2).mean(), knowledge_base=tmp_path)
+        fast, _, _, clock = _optimizer_only(d, knowledge_base=tmp_path)
         timed = sum(1 for scope in clock.scopes if scope == "optimizer")
         return _decision(fast, "fuse_optimizer"), timed
 
