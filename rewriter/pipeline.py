@@ -50,7 +50,7 @@ from rewriter.record import Recorder, Recorded
 from rewriter.reference import Reference
 from rewriter.region import Region, captured_dtype, dtype_of_region, find_regions
 from rewriter.report import Decision, Report
-from rewriter.site_gate import REGION_TIMING, measure_region, original_ms, verify_region
+from rewriter.site_gate import REGION_TIMING, held_for_backward, measure_region, original_ms, verify_region
 from rewriter.state import preserved_state
 from rewriter.verify import Comparison, compare_runs, tolerance_for
 
@@ -344,8 +344,9 @@ class Run:
         # still verified on this model's values). Of the others, only the sites a signature is
         # verified on (the first of them is also the one measured) are recorded: what one
         # recording holds stays VERIFY_SAMPLE regions a signature at any depth.
+        # (objective="memory" in training may keep what time rejects: nothing is settled unrun)
         settled = {sig: self._unrun_row(sig, members, precision, k) for sig, members in groups.items()
-                   if (k := known[sig]) is not None and not k["kept"]}
+                   if (k := known[sig]) is not None and not k["kept"]} if not self._held_decides() else {}
         to_run = [(slot, r) for sig, members in groups.items() if sig not in settled
                   for slot, r in _verify_sample(members)]
         values: dict[str, dict[str, Recorded]] = {}
@@ -364,6 +365,8 @@ class Run:
         for sig, members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
             row = settled.get(sig) or self._decide_signature(p, sig, members, values, overlay,
                                                              keys[sig], known[sig])
+            if self._held_decides():
+                row = self._by_held_memory(row, members, values, overlay)
             rows.append(row)
             if row.get("max_abs_error") is not None:
                 worst_err = max(worst_err or 0.0, row["max_abs_error"])
@@ -391,7 +394,37 @@ class Run:
                         noise=lead.get("noise"), max_abs_error=worst_err,
                         sites=descriptions, measurement=lead.get("measurement"),
                         verification=lead.get("verification", ""), scope="site", regions=rows,
-                        objective="time")  # regions are decided on time under either objective
+                        objective="memory" if any(r.get("objective") == "memory" for r in rows)
+                        else "time")
+
+    def _held_decides(self) -> bool:
+        """Regions are judged on what they hold for backward too: objective="memory", training.
+        (In inference nothing is held between layers; regions are decided on time.)"""
+        return self.settings.objective == "memory" and self.job.training
+
+    def _by_held_memory(self, row: dict, members: list[tuple[GraphSlot, Region]],
+                        values: dict[str, dict[str, Recorded]], overlay: Any) -> dict:
+        """A decided signature under objective="memory" (rewriter.memory.decide_held): the
+        bytes its first site holds for backward without and with the rewrite, then the
+        verdict. Rows not decided on their figures (failed verification, not reached) stay."""
+        if row.get("status") not in ("kept", "rejected"):
+            return row
+        slot, r = members[0]
+        try:
+            with self._phase("memory"):
+                before, after = held_for_backward(r, self._values(values, slot, r), self._forms(r, overlay))
+        except Exception as e:  # noqa: BLE001 (a measurement problem must not cost the decision)
+            log.info("rewriter: %s: memory held for backward not measured: %s: %s", r.label,
+                     type(e).__name__, e)
+            return row
+        figures = row.get("measurement") or {}
+        usable = not figures.get("busy") and not figures.get("out_of_time")
+        untimed_small = row.get("speedup") is None and str(row.get("reason", "")).startswith("negligible")
+        keep, reason, by = memory.decide_held(
+            bool(row["kept"]), row["reason"], row.get("speedup") if usable else None, untimed_small,
+            before, after, self.settings.memory_slowdown)
+        return {**row, "kept": keep, "status": "kept" if keep else "rejected", "reason": reason,
+                "objective": by, "held_mb_before": memory.mb(before), "held_mb_after": memory.mb(after)}
 
     def _precision(self) -> str | None:
         """The dtype a kept (or speculatively applied) precision pass runs everything in

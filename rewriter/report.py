@@ -188,7 +188,10 @@ def _memory_lines(report: "Report") -> list[str]:
         lines += ["| pass | decided by | peak MB without -> with | saved | decision |", "|---|---|---|---|---|"]
         for d in rows:
             a, b = d.peak_mb_before, d.peak_mb_after
-            peak = f"{a:.2f} -> {b:.2f}" if a is not None and b is not None else "-"
+            held = ""
+            if a is None and (sums := _held_mb(d.regions)) is not None:
+                (a, b), held = sums, " held for backward"  # region passes: summed over their sites
+            peak = f"{a:.2f} -> {b:.2f}{held}" if a is not None and b is not None else "-"
             saved = f"{a - b:.2f} MB ({100 * (a - b) / a:.0f}%)" if a and b is not None else "-"
             lines.append(f"| {d.pass_name} | {d.objective or '-'} | {peak} | {saved} | {d.status} |")
     for label in ("before", "after"):
@@ -201,6 +204,16 @@ def _memory_lines(report: "Report") -> list[str]:
                                                for r in view.get("top_allocators", [])])
             lines += ["", t.to_markdown(f"Memory over the step, {label}")]
     return lines
+
+
+def _held_mb(rows: list[dict] | None) -> tuple[float, float] | None:
+    """MB held for backward without / with a region pass, over every site of its signatures
+    (objective="memory" in training; None where no signature was measured so)."""
+    held = [r for r in rows or () if r.get("held_mb_before") is not None]
+    if not held:
+        return None
+    return (sum(r["held_mb_before"] * r.get("sites", 1) for r in held),
+            sum(r["held_mb_after"] * r.get("sites", 1) for r in held))
 
 
 def _region_row(pass_name: str, row: dict) -> str:

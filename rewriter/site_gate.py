@@ -132,6 +132,50 @@ def verify_region(region: Region, values: list[Recorded], training: bool,
     return compare_runs(got, want, tol, yardstick=Yardstick("float64", exact, FLOAT64_FACTOR))
 
 
+def held_for_backward(region: Region, values: list[Recorded],
+                      forms: tuple[GraphModule, GraphModule] | None = None) -> tuple[int, int]:
+    """Bytes autograd keeps for backward after one forward of the original and of the
+    replacement (training): the region's share of the step's activation memory.
+
+    Between a layer's forward and its backward, what stays live of it is what autograd saved,
+    and that adds up over the layers: the written-out attention keeps its [heads, seq, seq]
+    probabilities, SDPA its output and log-sum-exp. Unlike a peak it is exact, and the same on
+    every device. Storages of the boundary inputs (parameters, the activations read) are not
+    counted: they are live either way::
+
+        before, after = held_for_backward(region, values)
+    """
+    before, after = forms or (region.before, region.after)
+    return (_saved_bytes(RegionCall(before, values, training=True)),
+            _saved_bytes(RegionCall(after, values, training=True)))
+
+
+def _saved_bytes(call: RegionCall) -> int:
+    inputs = {_storage(t)[0] for t in call.inputs if isinstance(t, torch.Tensor)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr, nbytes = _storage(t)
+        if ptr not in inputs:
+            saved[ptr] = nbytes  # one storage saved twice (a view of it) is held once
+        return t
+
+    # autograd holds the saved tensors until the outputs are dropped, so no storage of one
+    # is reused by a later one within the forward; dropout runs (its mask is saved too)
+    with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        call.gm(*call.inputs)
+    return sum(saved.values())
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    try:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, nested)
+        return id(t), 0
+
+
 def _repeated(call: RegionCall, reps: int) -> Callable[[], None]:
     def run() -> None:
         for _ in range(reps):
