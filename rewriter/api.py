@@ -82,9 +82,11 @@ def optimize(
             when it began, by at least 1%) while the step stays at most ``memory_slowdown``
             slower; a faster rewrite that raises the peak is not kept. Decided on the whole
             step for step-scope passes. Region passes, in training, on what a site holds for
-            backward (the bytes autograd saves, beyond its inputs; kept when it holds at least
-            1% less and the region is at most ``memory_slowdown`` slower on its own); in
-            inference, on time. In training this
+            backward (the bytes autograd saves, beyond its inputs): kept when it holds at least
+            1% less (over its sites, at least 1% of the parameters' bytes) and the region is at
+            most ``memory_slowdown`` slower on its own; a faster one that holds more is not
+            kept; without a usable time figure the time verdict stands. In inference, on time.
+            In training this
             lets ``fuse_linear_cross_entropy`` set the output's ``logits`` to None (the loss and
             gradients are unchanged; see passes/README.md). The report says which objective
             decided each rewrite.

@@ -26,7 +26,8 @@ Only completed timings are stored (kept, slower, below the margin, within noise)
 a busy machine spoiled, or one the time budget cut short, is not. A region too cheap to compare
 is stored as its original's time alone (``original_ms``), judged against each run's own step.
 Verification is never taken from here: a signature replayed as kept is verified on the run's
-own values; one replayed as rejected is not run at all, so there is nothing to verify.
+own values; one replayed as rejected is not run at all, so there is nothing to verify
+(except under objective="memory" in training, where what it holds for backward may keep it).
 The default location is ``$REWRITER_KNOWLEDGE_BASE`` (a file path, or ``off``), else
 ``$XDG_CACHE_HOME/rewriter/knowledge_base.json`` (``~/.cache`` when unset).
 """

@@ -9,7 +9,7 @@ order. Both give the same quantity, so the figures compare across devices::
     peak = peak_bytes(step, backend)                 # int, or None where nothing tells
     t = memory_timeline(step, backend)               # live bytes over the step, top allocators
     keep, reason = decide_memory(m, peak_before, peak_after, slowdown=0.03)
-    keep, reason, by = decide_held(keep, reason, speedup, False, held_before, held_after, 0.03)
+    keep, reason, by = decide_held(keep, reason, speedup, held_before, held_after, sites, floor, 0.03)
 
 A region pass is judged in training on what one site holds for backward instead of a peak
 (:func:`decide_held`; the bytes come from ``rewriter.site_gate.held_for_backward``).
@@ -249,31 +249,29 @@ def decide_memory(m: Any, before: int | None, after: int | None, slowdown: float
     return True, f"saves memory: {mem} (-{saved:.0f}%), within the {100 * slowdown:g}% slowdown bound: {figure}"
 
 
-def decide_held(keep: bool, reason: str, speedup: float | None, untimed_small: bool,
-                before: int, after: int, slowdown: float) -> tuple[bool, str, str]:
+def decide_held(keep: bool, reason: str, speedup: float | None, before: int, after: int,
+                sites: int, floor: int, slowdown: float) -> tuple[bool, str, str]:
     """The memory objective for one region signature in training: (keep, reason, the objective
-    that decided). ``before``/``after``: bytes a site holds for backward without / with the
+    that decided). ``before``/``after``: bytes one site holds for backward without / with the
     rewrite (rewriter.site_gate.held_for_backward); ``keep``/``reason``: its time verdict;
-    ``speedup``: the region's median (None: no usable measurement); ``untimed_small``: the
-    original region was too small to be worth timing, so no replacement of it can cost the
-    step more than that share.
+    ``speedup``: the region's median (None: no usable time measurement, as for a region too
+    small to time or one a busy machine spoiled: the time verdict stands); ``floor``: the
+    fewest bytes over all ``sites`` that count as a difference at all.
 
-    Kept on memory when a site holds at least ``MIN_MEMORY_SAVING`` less and the region is at
-    most ``slowdown`` slower on its own (a region is part of a step, so the step is slowed by
-    less); a region faster on time that holds more is not kept; otherwise the time verdict
-    stands."""
+    Kept on memory when a site holds at least ``MIN_MEMORY_SAVING`` less, over its sites at
+    least ``floor`` less, and the region is at most ``slowdown`` slower on its own (a region
+    is part of a step, so the step is slowed by less); a region faster on time that holds
+    more by as much is not kept; otherwise the time verdict stands."""
     held = f"held for backward {before / 2**20:.3f} MB -> {after / 2**20:.3f} MB a site"
-    if before > 0 and before - after >= MIN_MEMORY_SAVING * before:
+    if speedup is None or not math.isfinite(speedup):
+        return keep, reason, "time"  # no time figure to bound the slowdown with
+    if before - after >= MIN_MEMORY_SAVING * before and (before - after) * sites >= max(floor, 1):
         saved = f"saves memory: {held} (-{100.0 * (before - after) / before:.0f}%)"
-        if untimed_small:
-            return True, f"{saved}; on time: {reason}", "memory"
-        if speedup is None or not math.isfinite(speedup):
-            return keep, reason, "time"  # no time figure to bound the slowdown with
         if speedup >= 1.0 / (1.0 + slowdown):
             return True, f"{saved}, within the {100 * slowdown:g}% slowdown bound; on time: {reason}", "memory"
         return False, (f"too slow for the memory objective: {speedup:.3f}x is beyond the "
                        f"{100 * slowdown:g}% slowdown bound ({held}); on time: {reason}"), "memory"
-    if keep and after > before * (1 + MIN_MEMORY_SAVING):
+    if keep and after - before > MIN_MEMORY_SAVING * before and (after - before) * sites >= max(floor, 1):
         return False, f"holds more for backward ({held}) although {reason}", "memory"
     return keep, reason, "time"
 

@@ -339,7 +339,8 @@ class Run:
             groups[r.signature(device, mode, p.version, precision)].append((slot, r))
         keys = {sig: self._region_key(p, members[0][1], precision) for sig, members in groups.items()}
         known = {sig: self._known_row(keys[sig], len(members)) for sig, members in groups.items()}
-        # A signature the knowledge base rejects is not run at all: recording its boundary
+        # A signature the knowledge base rejects is not run at all (except where the memory
+        # objective may keep it, see _held_decides): recording its boundary
         # values and verifying it would only decide what is already decided (a kept one is
         # still verified on this model's values). Of the others, only the sites a signature is
         # verified on (the first of them is also the one measured) are recorded: what one
@@ -418,13 +419,20 @@ class Run:
                      type(e).__name__, e)
             return row
         figures = row.get("measurement") or {}
-        usable = not figures.get("busy") and not figures.get("out_of_time")
-        untimed_small = row.get("speedup") is None and str(row.get("reason", "")).startswith("negligible")
+        usable = (not figures.get("busy") and not figures.get("out_of_time")
+                  and figures.get("pairs", 0) >= 2)
         keep, reason, by = memory.decide_held(
-            bool(row["kept"]), row["reason"], row.get("speedup") if usable else None, untimed_small,
-            before, after, self.settings.memory_slowdown)
+            bool(row["kept"]), row["reason"], row.get("speedup") if usable else None, before, after,
+            len(members), self._memory_floor(), self.settings.memory_slowdown)
         return {**row, "kept": keep, "status": "kept" if keep else "rejected", "reason": reason,
-                "objective": by, "held_mb_before": memory.mb(before), "held_mb_after": memory.mb(after)}
+                "objective": by, "held_bytes_before": before, "held_bytes_after": after}
+
+    def _memory_floor(self) -> int:
+        """The fewest bytes a region pass must change what is held, over all its sites, to
+        count: a share (MIN_MEMORY_SAVING) of the model's parameters, which the step's peak
+        always exceeds (weights, and in training their gradients too)."""
+        params = sum(t.numel() * t.element_size() for t in self.job.model.parameters())
+        return int(memory.MIN_MEMORY_SAVING * params)
 
     def _precision(self) -> str | None:
         """The dtype a kept (or speculatively applied) precision pass runs everything in

@@ -207,13 +207,16 @@ def _memory_lines(report: "Report") -> list[str]:
 
 
 def _held_mb(rows: list[dict] | None) -> tuple[float, float] | None:
-    """MB held for backward without / with a region pass, over every site of its signatures
-    (objective="memory" in training; None where no signature was measured so)."""
-    held = [r for r in rows or () if r.get("held_mb_before") is not None]
+    """MB held for backward without / with a region pass as it runs: over every site, the
+    kept signatures' figure with it, the others' without (objective="memory" in training;
+    None where no signature was measured so)."""
+    held = [r for r in rows or () if r.get("held_bytes_before") is not None]
     if not held:
         return None
-    return (sum(r["held_mb_before"] * r.get("sites", 1) for r in held),
-            sum(r["held_mb_after"] * r.get("sites", 1) for r in held))
+    before = sum(r["held_bytes_before"] * r.get("sites", 1) for r in held)
+    after = sum(r["held_bytes_after" if r.get("kept") else "held_bytes_before"] * r.get("sites", 1)
+                for r in held)
+    return before / 2**20, after / 2**20
 
 
 def _region_row(pass_name: str, row: dict) -> str:

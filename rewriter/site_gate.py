@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 from torch.fx import GraphModule
+from torch.utils._pytree import tree_leaves
 
 from rewriter.gate import Clock, GateSettings, Measurement, Step, measure
 from rewriter.record import Recorded
@@ -139,9 +140,11 @@ def held_for_backward(region: Region, values: list[Recorded],
 
     Between a layer's forward and its backward, what stays live of it is what autograd saved,
     and that adds up over the layers: the written-out attention keeps its [heads, seq, seq]
-    probabilities, SDPA its output and log-sum-exp. Unlike a peak it is exact, and the same on
-    every device. Storages of the boundary inputs (parameters, the activations read) are not
-    counted: they are live either way::
+    probabilities, SDPA its output and log-sum-exp. Unlike a peak it does not jitter; it is
+    what autograd saves on this device (SDPA saves what the kernel it picks needs, and an
+    autograd.Function that keeps tensors as ``ctx`` attributes is not seen). Storages of the
+    boundary inputs (parameters, the activations read) are not counted: they are live either
+    way. An output a form saves is counted, though the op after the region may keep it anyway::
 
         before, after = held_for_backward(region, values)
     """
@@ -151,7 +154,7 @@ def held_for_backward(region: Region, values: list[Recorded],
 
 
 def _saved_bytes(call: RegionCall) -> int:
-    inputs = {_storage(t)[0] for t in call.inputs if isinstance(t, torch.Tensor)}
+    inputs = {_storage(t)[0] for t in tree_leaves(call.inputs) if isinstance(t, torch.Tensor)}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -161,7 +164,8 @@ def _saved_bytes(call: RegionCall) -> int:
         return t
 
     # autograd holds the saved tensors until the outputs are dropped, so no storage of one
-    # is reused by a later one within the forward; dropout runs (its mask is saved too)
+    # is reused by a later one within the forward; dropout runs (its mask is saved too). Only
+    # the CPU generator is forked: the pipeline's snapshot puts a device's back (as for timing)
     with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         call.gm(*call.inputs)

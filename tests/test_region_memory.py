@@ -16,7 +16,7 @@ from rewriter.capture import finish_rewrite
 from rewriter.ir import annotate_tensor_info, copy_graph_module
 
 import rewriter
-from rewriter import Pass, PassContext, Site
+from rewriter import Pass, PassContext, Site, memory
 from rewriter.ir import mark_new_node
 from rewriter.region import find_regions
 from rewriter.site_gate import held_for_backward
@@ -110,8 +110,10 @@ def test_a_site_holds_exactly_the_bytes_autograd_saves_beyond_its_inputs():
     regions = find_regions(gm, cand, p.find(copy_graph_module(gm), None), p.name, "graph_0")
     assert len(regions) == LAYERS
     h = torch.randn(ROWS, D, requires_grad=True)
+    rng = torch.get_rng_state()
     before, after = held_for_backward(regions[0], [Recorded(h, True)])
     assert (before, after) == (ROWS * D * 4, 0)  # sigmoid(h) in fp32; h itself is the input
+    assert h.grad is None and torch.equal(torch.get_rng_state(), rng)  # a forward, nothing more
 
 
 def test_a_region_that_holds_less_is_kept_within_the_slowdown_bound_only_for_memory():
@@ -119,12 +121,11 @@ def test_a_region_that_holds_less_is_kept_within_the_slowdown_bound_only_for_mem
     row = d.regions[0]
     assert d.kept and d.objective == "memory"
     assert "saves memory" in row["reason"] and "(-100%)" in row["reason"]
-    assert row["held_mb_before"] == pytest.approx(ROWS * D * 4 / 2**20, abs=1e-3)
-    assert row["held_mb_after"] == 0
+    assert (row["held_bytes_before"], row["held_bytes_after"]) == (ROWS * D * 4, 0)
     held = LAYERS * ROWS * D * 4 / 2**20  # every site's, in the report's Memory section
     assert f"| to_silu | memory | {held:.2f} -> 0.00 held for backward |" in report.to_markdown()
     timed = _optimize(WrittenSilu(), ToSilu(), {"to_silu": 1.02}, objective="time")
-    assert not timed.kept and timed.objective == "time" and "held_mb_before" not in timed.regions[0]
+    assert not timed.kept and timed.objective == "time" and "held_bytes_before" not in timed.regions[0]
 
 
 def test_a_region_that_holds_less_but_is_too_slow_is_not_kept():
@@ -141,8 +142,27 @@ def test_a_faster_region_that_holds_more_is_not_kept_for_memory():
 
 
 def test_in_inference_regions_are_decided_on_time_under_either_objective():
-    d = _optimize(WrittenSilu(), ToSilu(), {"to_silu": 1.02}, training=False)
-    assert not d.kept and d.objective == "time" and "held_mb_before" not in d.regions[0]
+    d, report = _optimize(WrittenSilu(), ToSilu(), {"to_silu": 1.02}, training=False, report=True)
+    assert not d.kept and d.objective == "time" and "held_bytes_before" not in d.regions[0]
+    assert "memory" not in report.phases  # nothing held was measured
+
+
+MB = 2**20
+
+
+@pytest.mark.parametrize("speedup, before, after, floor, want", [
+    (0.99, 4 * MB, 1 * MB, 0, (True, "memory")),       # holds less, within the 3% bound
+    (0.90, 4 * MB, 1 * MB, 0, (False, "memory")),      # holds less, too slow
+    (None, 4 * MB, 1 * MB, 0, (False, "time")),        # no usable time figure: time verdict
+    (0.99, 4 * MB, 1 * MB, 10 * MB, (False, "time")),  # saves less than the floor over its sites
+    (0.99, 100 * MB, 99.5 * MB, 0, (False, "time")),   # under 1% of what a site holds
+    (1.30, 0, 64, 1024, (True, "time")),               # faster, holds a few bytes more: no matter
+    (1.30, 1 * MB, 2 * MB, 0, (False, "memory")),      # faster, holds more: not kept
+])
+def test_the_memory_verdict_of_a_region(speedup, before, after, floor, want):
+    keep = speedup is not None and speedup > 1.05  # the time verdict under min_speedup 1.05
+    got = memory.decide_held(keep, "on time", speedup, before, after, 3, floor, 0.03)
+    assert got[0::2] == want
 
 
 def test_a_region_the_knowledge_base_rejects_on_time_is_still_judged_on_memory(tmp_path):
