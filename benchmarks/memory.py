@@ -4,6 +4,10 @@ training, eager against ``optimize(objective="memory")``: peak memory and step t
     python -m benchmarks.memory --out benchmarks            # the real figure (several minutes, quiet machine)
     python -m benchmarks.memory --passes fuse_linear_cross_entropy --out /tmp/mem   # that pass alone
     python -m benchmarks.memory --tiny --out /tmp/mem       # tiny sizes: a smoke test (seconds)
+    python -m benchmarks.memory --attention eager --out benchmarks/memory_eager_attention
+
+``--attention eager`` builds the model with the written-out attention, so ``fuse_attention``
+has sites: a region pass, judged in training on what each site holds for backward.
 
 Writes ``MEMORY.md`` (machine, method, the table, the decisions) and ``memory.json`` (every
 number) into ``--out``. Peak memory: :func:`benchmarks.measure.peak_memory_mb` (bytes allocated
@@ -28,6 +32,7 @@ import torch
 import rewriter
 from benchmarks.configs import make_step
 from benchmarks.measure import BENCH_GATE, QUICK_GATE, machine_info, peak_memory_mb, side_by_side
+from rewriter.report import held_mb
 
 FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
             num_attention_heads=8, num_key_value_heads=4, batch=2, seq=1024)
@@ -35,7 +40,7 @@ TINY = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_lay
             num_attention_heads=4, num_key_value_heads=2, batch=2, seq=32)
 
 
-def build(sizes: dict) -> tuple[torch.nn.Module, dict]:
+def build(sizes: dict, attention: str = "sdpa") -> tuple[torch.nn.Module, dict]:
     """LlamaForCausalLM from a config (random weights, nothing downloaded), labels = input_ids."""
     import transformers
     torch.manual_seed(0)
@@ -44,16 +49,16 @@ def build(sizes: dict) -> tuple[torch.nn.Module, dict]:
         intermediate_size=sizes["intermediate_size"], num_hidden_layers=sizes["num_hidden_layers"],
         num_attention_heads=sizes["num_attention_heads"],
         num_key_value_heads=sizes["num_key_value_heads"], max_position_embeddings=sizes["seq"],
-        attn_implementation="sdpa")
+        attn_implementation=attention)
     model = transformers.LlamaForCausalLM(cfg).train()
     ids = torch.randint(0, sizes["vocab_size"], (sizes["batch"], sizes["seq"]))
     return model, {"input_ids": ids, "labels": ids}
 
 
 def run(tiny: bool, verbose: bool = False, passes: list[str] | None = None,
-        time_budget: float | None = None) -> dict:
+        time_budget: float | None = None, attention: str = "sdpa") -> dict:
     sizes = TINY if tiny else FULL
-    model, inputs = build(sizes)
+    model, inputs = build(sizes, attention)
     eager_model = copy.deepcopy(model)
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-4, foreach=False)
     eager = make_step(eager_model, inputs, optimizer=eager_opt)
@@ -72,7 +77,8 @@ def run(tiny: bool, verbose: bool = False, passes: list[str] | None = None,
     m = side_by_side(eager, optimized, QUICK_GATE if tiny else BENCH_GATE)
     report = fast.report
     return {
-        "sizes": sizes, "machine": machine_info(), "optimize_seconds": round(seconds, 2),
+        "sizes": sizes, "attention": attention, "machine": machine_info(),
+        "optimize_seconds": round(seconds, 2),
         "eager": {"peak_mb": eager_peak, "step_ms": m.baseline_ms},
         "optimized": {"peak_mb": opt_peak, "step_ms": m.candidate_ms},
         "speedup": m.speedup, "noise": m.noise, "pairs": m.pairs,
@@ -80,7 +86,7 @@ def run(tiny: bool, verbose: bool = False, passes: list[str] | None = None,
         "kept": report.kept_passes, "final": report.final.get("reason", ""),
         "decisions": [{"pass": d.pass_name, "status": d.status, "decided_by": d.objective,
                        "peak_mb_before": d.peak_mb_before, "peak_mb_after": d.peak_mb_after,
-                       "reason": d.reason} for d in report.decisions],
+                       "held_mb": held_mb(d.regions), "reason": d.reason} for d in report.decisions],
         "notes": list(report.notes),
     }
 
@@ -94,7 +100,8 @@ def to_markdown(r: dict) -> str:
     lines = [
         "# Memory as an objective: eager vs optimize(objective=\"memory\")", "",
         f"LlamaForCausalLM, vocab {s['vocab_size']}, hidden {s['hidden_size']}, "
-        f"{s['num_hidden_layers']} layers, {s['batch']} x {s['seq']} tokens, training, AdamW, fp32.",
+        f"{s['num_hidden_layers']} layers, {s['batch']} x {s['seq']} tokens, "
+        f"{r.get('attention', 'sdpa')} attention, training, AdamW, fp32.",
         f"Machine: {mach.get('cpu', mach)}; optimize() took {r['optimize_seconds']} s.", "",
         "| configuration | peak MB | step ms |", "|---|---|---|",
         f"| eager | {num(e['peak_mb'], '.1f')} | {num(e['step_ms'], '.1f')} |",
@@ -106,8 +113,10 @@ def to_markdown(r: dict) -> str:
         f"kept: {', '.join(r['kept']) or 'nothing'}; whole step: {r['final']}", "",
         "| pass | decision | decided by | peak MB without -> with | reason |", "|---|---|---|---|---|"]
     for d in r["decisions"]:
+        held = d.get("held_mb")  # a region pass: MB held for backward, over its sites
         peaks = (f"{d['peak_mb_before']:.1f} -> {d['peak_mb_after']:.1f}"
-                 if d["peak_mb_before"] is not None and d["peak_mb_after"] is not None else "-")
+                 if d["peak_mb_before"] is not None and d["peak_mb_after"] is not None else
+                 f"{held[0]:.2f} -> {held[1]:.2f} held for backward" if held else "-")
         lines.append(f"| {d['pass']} | {d['status']} | {d['decided_by'] or '-'} | {peaks} | "
                      f"{d['reason'].replace('|', '/')[:160]} |")
     lines += [""] + [f"- note: {n}" for n in r["notes"]]
@@ -121,10 +130,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test")
     p.add_argument("--passes", help="comma-separated passes for optimize() (default: all)")
     p.add_argument("--time-budget", type=float, help="optimize()'s time_budget (default: none)")
+    p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
+                   help="the model's attention: sdpa (default) or the written-out eager one")
     p.add_argument("-v", "--verbose", action="store_true", help="optimize()'s progress lines")
     args = p.parse_args(argv)
     passes = [n.strip() for n in args.passes.split(",")] if args.passes else None
-    result = run(args.tiny, args.verbose, passes, args.time_budget)
+    result = run(args.tiny, args.verbose, passes, args.time_budget, args.attention)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "memory.json"), "w") as f:
         json.dump(result, f, indent=2, default=str)

@@ -189,7 +189,7 @@ def _memory_lines(report: "Report") -> list[str]:
         for d in rows:
             a, b = d.peak_mb_before, d.peak_mb_after
             held = ""
-            if a is None and (sums := _held_mb(d.regions)) is not None:
+            if a is None and (sums := held_mb(d.regions)) is not None:
                 (a, b), held = sums, " held for backward"  # region passes: summed over their sites
             peak = f"{a:.2f} -> {b:.2f}{held}" if a is not None and b is not None else "-"
             saved = f"{a - b:.2f} MB ({100 * (a - b) / a:.0f}%)" if a and b is not None else "-"
@@ -206,17 +206,16 @@ def _memory_lines(report: "Report") -> list[str]:
     return lines
 
 
-def _held_mb(rows: list[dict] | None) -> tuple[float, float] | None:
-    """MB held for backward without / with a region pass as it runs: over every site, the
-    kept signatures' figure with it, the others' without (objective="memory" in training;
-    None where no signature was measured so)."""
+def held_mb(rows: list[dict] | None) -> tuple[float, float] | None:
+    """MB held for backward without / with a region pass at every site, over all its
+    signatures, kept or not (as a step pass's row shows its candidate's peak): what the rewrite
+    would change, which is why it was or was not kept (objective="memory" in training; None
+    where no signature was measured so)."""
     held = [r for r in rows or () if r.get("held_bytes_before") is not None]
     if not held:
         return None
-    before = sum(r["held_bytes_before"] * r.get("sites", 1) for r in held)
-    after = sum(r["held_bytes_after" if r.get("kept") else "held_bytes_before"] * r.get("sites", 1)
-                for r in held)
-    return before / 2**20, after / 2**20
+    return (sum(r["held_bytes_before"] * r.get("sites", 1) for r in held) / 2**20,
+            sum(r["held_bytes_after"] * r.get("sites", 1) for r in held) / 2**20)
 
 
 def _region_row(pass_name: str, row: dict) -> str:
