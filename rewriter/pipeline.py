@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -339,15 +340,16 @@ class Run:
             groups[r.signature(device, mode, p.version, precision)].append((slot, r))
         keys = {sig: self._region_key(p, members[0][1], precision) for sig, members in groups.items()}
         known = {sig: self._known_row(keys[sig], len(members)) for sig, members in groups.items()}
-        # A signature the knowledge base rejects is not run at all (except where the memory
-        # objective may keep it, see _held_decides): recording its boundary
+        # A signature the knowledge base rejects is not run at all: recording its boundary
         # values and verifying it would only decide what is already decided (a kept one is
-        # still verified on this model's values). Of the others, only the sites a signature is
-        # verified on (the first of them is also the one measured) are recorded: what one
-        # recording holds stays VERIFY_SAMPLE regions a signature at any depth.
-        # (objective="memory" in training may keep what time rejects: nothing is settled unrun)
-        settled = {sig: self._unrun_row(sig, members, precision, k) for sig, members in groups.items()
-                   if (k := known[sig]) is not None and not k["kept"]} if not self._held_decides() else {}
+        # still verified on this model's values). Under the memory objective in training
+        # (_held_decides) what it holds may keep what time rejects, so none is settled unrun.
+        # Of the others, only the sites a signature is verified on (the first of them is also
+        # the one measured) are recorded: what one recording holds stays VERIFY_SAMPLE regions
+        # a signature at any depth.
+        settled = {} if self._held_decides() else {
+            sig: self._unrun_row(sig, members, precision, k) for sig, members in groups.items()
+            if (k := known[sig]) is not None and not k["kept"]}
         to_run = [(slot, r) for sig, members in groups.items() if sig not in settled
                   for slot, r in _verify_sample(members)]
         values: dict[str, dict[str, Recorded]] = {}
@@ -423,10 +425,11 @@ class Run:
                   and figures.get("pairs", 0) >= 2)
         keep, reason, by = memory.decide_held(
             bool(row["kept"]), row["reason"], row.get("speedup") if usable else None, before, after,
-            len(members), self._memory_floor(), self.settings.memory_slowdown)
+            len(members), self._memory_floor, self.settings.memory_slowdown)
         return {**row, "kept": keep, "status": "kept" if keep else "rejected", "reason": reason,
                 "objective": by, "held_bytes_before": before, "held_bytes_after": after}
 
+    @functools.cached_property
     def _memory_floor(self) -> int:
         """The fewest bytes a region pass must change what is held, over all its sites, to
         count: a share (MIN_MEMORY_SAVING) of the model's parameters, which the step's peak
