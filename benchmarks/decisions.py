@@ -9,7 +9,9 @@ For each model of the zoo (training) and each precision (fp32, ``dtype=bf16``), 
 afresh); the table says whether the decisions (kept signatures per pass, the fused optimizer)
 were the same every time, how long optimize() took (median), and how much of that was the
 capture (Dynamo's own first trace of the model is most of it for transformers). The LLaMA
-config is also optimized at 4 and 16 layers, to see how the cost grows with depth.
+config is also optimized at 4 and 16 layers, to see how the cost grows with depth
+(``--depth-runs`` times, each followed by what any measuring run pays at either depth: Dynamo's
+first call and one eager step, from which the lowest 16/4 ratio a run could reach follows).
 
 ``--load`` starts a second process that keeps one core busy with matrix products in bursts
 (bounded in time: it stops with the run, at the latest after ``--load-seconds``), runs the
@@ -136,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--scaling", action=argparse.BooleanOptionalAction, default=True,
                    help="also LLaMA at 4 and 16 layers (default: on)")
+    p.add_argument("--depth-runs", type=int, default=1,
+                   help="times the 4- and 16-layer rows are run, one after another (default: 1)")
     p.add_argument("--load", action="store_true", help="also run under a concurrent CPU load")
     p.add_argument("--load-seconds", type=float, default=900.0)
     p.add_argument("--load-runs", type=int, default=2, help="optimize() runs per model under load")
@@ -161,21 +165,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _write(args.out, result)
             os.remove(kb) if os.path.exists(kb) else None
     if args.scaling:
-        kb = os.path.join(args.out, ".kb-depth.json")
-        if os.path.exists(kb):
-            os.remove(kb)
-        # afresh at 4 and 16 layers; then 4 and 16 layers sharing a knowledge base (the layers'
-        # regions have the same signatures: the deeper model replays what the shallower measured)
-        for layers, where, label in ((4, False, "afresh"), (16, False, "afresh"),
-                                     (4, kb, "knowledge base"), (16, kb, "knowledge base, after 4 layers")):
-            r = one_run("llama", None, layers=layers, knowledge_base=where)
-            r["layers"], r["kb"] = layers, label
-            result["scaling"].append(r)
-            _say(f"llama {layers} layers ({label}): {r['seconds']} s {r['phases']}")
-        os.remove(kb) if os.path.exists(kb) else None
-        result["floor"] = {str(layers): depth_floor("llama", layers) for layers in (4, 16)}
-        _say(f"llama floor: {result['floor']}")
-        _write(args.out, result)
+        result["floors"] = []
+        for rep in range(1, args.depth_runs + 1):
+            kb = os.path.join(args.out, ".kb-depth.json")
+            if os.path.exists(kb):
+                os.remove(kb)
+            # afresh at 4 and 16 layers; then 4 and 16 layers sharing a knowledge base (the
+            # layers' regions have the same signatures: the deeper model replays what the
+            # shallower measured)
+            for layers, where, label in ((4, False, "afresh"), (16, False, "afresh"), (4, kb, "knowledge base"),
+                                         (16, kb, "knowledge base, after 4 layers")):
+                r = one_run("llama", None, layers=layers, knowledge_base=where)
+                r["layers"], r["kb"], r["rep"] = layers, label, rep
+                result["scaling"].append(r)
+                _say(f"llama {layers} layers ({label}, depth run {rep}): {r['seconds']} s {r['phases']}")
+            os.remove(kb) if os.path.exists(kb) else None
+            result["floors"].append({str(layers): depth_floor("llama", layers) for layers in (4, 16)})
+            _say(f"llama floor (depth run {rep}): {result['floors'][-1]}")
+            _write(args.out, result)
     if args.load:
         burner = mp.get_context("spawn").Process(target=_burn, args=(args.load_seconds,), daemon=True)
         burner.start()
@@ -251,36 +258,41 @@ def to_markdown(result: dict) -> str:
                 lines.append(f"  - {pass_name}: {reason[:220]}")
     if result["scaling"]:
         lines += ["", "## Cost against depth (LLaMA config, fp32 training)", "",
-                  "| layers | regions | optimize() s | " + " | ".join(_PHASES) + " |",
-                  "|---|---|---|" + "---|" * len(_PHASES)]
+                  "| depth run | layers | regions | optimize() s | " + " | ".join(_PHASES) + " |",
+                  "|---|---|---|---|" + "---|" * len(_PHASES)]
         for r in result["scaling"]:
-            lines.append(f"| {r['layers']} | {r.get('kb', 'afresh')} | {r['seconds']:.1f} | "
+            lines.append(f"| {r.get('rep', 1)} | {r['layers']} | {r.get('kb', 'afresh')} | {r['seconds']:.1f} | "
                          + " | ".join(f"{r['phases'].get(k, 0.0):.1f}" for k in _PHASES) + " |")
-        rows = {(r["layers"], r.get("kb", "afresh")): r for r in result["scaling"]}
-        a, b = rows.get((4, "afresh")), rows.get((16, "afresh"))
-        if a and b:
-            lines.append(f"\n16 layers / 4 layers, afresh: {b['seconds'] / a['seconds']:.2f}x the time "
-                         f"({(b['seconds'] - b['phases'].get('capture', 0)) / max(a['seconds'] - a['phases'].get('capture', 0), 1e-9):.2f}x without the capture)")
-        c = rows.get((16, "knowledge base, after 4 layers"))
-        if a and c:
-            lines.append(f"16 layers after 4 (knowledge base) / 4 layers afresh: {c['seconds'] / a['seconds']:.2f}x")
-        floor = result.get("floor", {})
-        f4, f16 = floor.get("4"), floor.get("16")
-        if a and f4 and f16:
-            trace, step = f16["trace"] - f4["trace"], f16["step"] - f4["step"]
-            about = (a["seconds"] + trace + FEWEST_WHOLE_STEPS * step) / a["seconds"]
-            lines.append(
-                f"\nWhat any Dynamo capture pays, measured after those runs: Dynamo's own first "
-                f"call of the model (its trace, with a backend that keeps the graph as it is, and "
-                f"one forward) {f4['trace']:.1f} s at 4 layers, {f16['trace']:.1f} s at 16; one "
-                f"eager training step {1000 * f4['step']:.0f} -> {1000 * f16['step']:.0f} ms. 1.5x "
-                f"the 4-layer run allows {0.5 * a['seconds']:.1f} s more for 12 more layers; the "
-                f"first call grows {trace:.1f} s, and the {FEWEST_WHOLE_STEPS} other runs of the "
-                f"whole model every measuring optimize() makes (the reference, the composed "
-                f"model's verification, the step check's fewest pairs; the capture check's "
-                f"backward and the gate's warm-up come on top) {FEWEST_WHOLE_STEPS * step:.1f} s "
-                f"at the eager step's growth: about {about:.2f}x the 4-layer run before anything "
-                f"optimize() decides costs more.")
+        floors = result.get("floors", [])
+        ratios = [_depth_ratios([r for r in result["scaling"] if r.get("rep", 1) == rep],
+                                floors[rep - 1] if rep <= len(floors) else {})
+                  for rep in sorted({r.get("rep", 1) for r in result["scaling"]})]
+        lines += ["", "| depth run | 16 / 4 layers, afresh | its floor | 16 after 4 (knowledge base) / 4 afresh "
+                  "| its floor | Dynamo first call 4 / 16 s | eager step 4 / 16 ms |",
+                  "|---|---|---|---|---|---|---|"]
+        for rep, d in enumerate(ratios, 1):
+            lines.append(f"| {rep} | {_x(d.get('afresh'))} | {_x(d.get('floor'))} | {_x(d.get('after'))} | "
+                         f"{_x(d.get('floor_after'))} | "
+                         + (f"{d['trace4']:.1f} / {d['trace16']:.1f} | {1000 * d['step4']:.0f} / "
+                            f"{1000 * d['step16']:.0f} |" if 'floor' in d else "- | - |"))
+        for what, label in (("afresh", "16 / 4 layers, afresh"), ("floor", "its floor"),
+                            ("after", "16 after 4 (knowledge base) / 4 afresh"),
+                            ("floor_after", "its floor")):
+            got = [d[what] for d in ratios if d.get(what) is not None]
+            if len(got) > 1:
+                lines.append(f"\nMedian of {len(got)} depth runs, {label}: {statistics.median(got):.2f}x")
+        lines.append(
+            f"\n*Floors*, from Dynamo's first call of the model (its trace, with a backend that "
+            f"keeps the graph as it is, and one forward) and one eager training step at 4 and at "
+            f"16 layers, measured after each depth run; a measuring optimize() runs the whole model "
+            f"at least {FEWEST_WHOLE_STEPS} times besides that first call (the reference, the "
+            f"composed model's verification, the step check's fewest pairs; the capture check's "
+            f"backward and the gate's warm-up come on top). *Afresh*: the 16-layer run decides what "
+            f"the 4-layer run decides, so it costs at least the 4-layer run plus the growth of the "
+            f"first call and of those {FEWEST_WHOLE_STEPS} runs. *After 4*: replaying the knowledge "
+            f"base, it costs at least the 16-layer first call and those {FEWEST_WHOLE_STEPS} runs. "
+            f"A floor above 1.5x means no 16-layer run can come within 1.5x of that 4-layer run, "
+            f"whatever optimize() decides and however fast it decides it.")
     if result["load"]:
         lines += ["", "## Under a concurrent CPU load (one core busy in bursts)", "",
                   "*kept under load only*: kept under load, never kept in the quiet afresh runs "
@@ -295,6 +307,24 @@ def to_markdown(result: dict) -> str:
                          f"{'yes' if r['seconds'] <= DEFAULT_TIME_BUDGET else '**no**'} | {busy} | "
                          f"{_fmt(kept)} | {', '.join(r['kept_only_under_load']) or 'none'} |")
     return "\n".join(lines) + "\n"
+
+
+def _depth_ratios(runs: list[dict], floor: dict) -> dict:
+    """One depth run's ratios against its 4-layer afresh run, and the floor under each."""
+    rows = {(r["layers"], r.get("kb", "afresh")): r["seconds"] for r in runs}
+    a, b, c = rows.get((4, "afresh")), rows.get((16, "afresh")), rows.get((16, "knowledge base, after 4 layers"))
+    out: dict = {"afresh": b / a if a and b else None, "after": c / a if a and c else None}
+    f4, f16 = floor.get("4"), floor.get("16")
+    if a and f4 and f16:
+        grows = (f16["trace"] - f4["trace"]) + FEWEST_WHOLE_STEPS * (f16["step"] - f4["step"])
+        out.update(floor=(a + grows) / a,
+                   floor_after=(f16["trace"] + FEWEST_WHOLE_STEPS * f16["step"]) / a,
+                   trace4=f4["trace"], trace16=f16["trace"], step4=f4["step"], step16=f16["step"])
+    return out
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 _PHASES = ("reference", "capture", "rewrite", "record", "verify", "measure", "confirm")

@@ -128,24 +128,48 @@ def test_the_decisions_table_says_what_repeated_and_what_depth_costs():
     run = {"seconds": 10.0, "phases": {"capture": 4.0, "confirm": 2.0}, "decisions": {"fuse_attention": ["abcd1234"]},
            "reasons": {"fuse_attention": "faster"}, "final": ""}
     other = dict(run, decisions={"fuse_attention": []})
+
+    def depth_run(rep, four, sixteen, after):
+        return [dict(run, seconds=four, layers=4, kb="afresh", rep=rep),
+                dict(run, seconds=sixteen, layers=16, kb="afresh", rep=rep),
+                dict(run, seconds=sixteen - 1, layers=4, kb="knowledge base", rep=rep),
+                dict(run, seconds=after, layers=16, kb="knowledge base, after 4 layers", rep=rep)]
     result = {"command": "python -m benchmarks.decisions", "machine": {"cpu": "test cpu"},
               "rows": [{"model": "gpt2", "precision": "fp32", "kb": "afresh", "runs": [run, other], "same": False}],
-              "scaling": [dict(run, layers=4, kb="afresh"), dict(run, seconds=25.0, layers=16, kb="afresh"),
-                          dict(run, seconds=15.0, layers=16, kb="knowledge base, after 4 layers")],
-              "floor": {"4": {"trace": 4.0, "step": 0.5}, "16": {"trace": 11.0, "step": 1.3}},
+              "scaling": depth_run(1, 10.0, 25.0, 15.0) + depth_run(2, 20.0, 30.0, 24.0)
+              + depth_run(3, 8.0, 24.0, 16.0),
+              "floors": [{"4": {"trace": 4.0, "step": 0.5}, "16": {"trace": 11.0, "step": 1.3}},
+                         {"4": {"trace": 4.0, "step": 0.5}, "16": {"trace": 5.0, "step": 0.6}},
+                         {"4": {"trace": 2.0, "step": 0.25}, "16": {"trace": 3.0, "step": 0.75}}],
               "load": []}
     md = to_markdown(result)
     assert "| gpt2 | fp32 | afresh | 2 | **no** | 10.0 (10.0-10.0) | 4.0 |" in md
     assert "### gpt2 fp32 (afresh): decisions per run" in md
-    assert "16 layers / 4 layers, afresh: 2.50x the time" in md
-    assert "16 layers after 4 (knowledge base) / 4 layers afresh: 1.50x" in md
-    # the floor: 1.5x of the 4-layer run's 10 s allows 5 s more; the trace alone grows 7 s
-    assert "4.0 s at 4 layers, 11.0 s at 16" in md and "500 -> 1300 ms" in md
-    assert "allows 5.0 s more for 12 more layers" in md
-    # six other runs of the whole model at 0.8 s more each: (10 + 7 + 6 * 0.8) / 10
+    assert "| 2 | 16 | knowledge base, after 4 layers | 24.0 |" in md
+    # each depth run against its own 4-layer run. Floors: afresh, that run plus the trace's growth
+    # plus six other runs of the whole model at the eager step's growth; after 4, the 16-layer
+    # trace and six 16-layer steps; both over the 4-layer run
     assert FEWEST_WHOLE_STEPS == 6  # the reference, the verification, two pairs
-    assert "first call grows 7.0 s, and the 6 other runs" in md
-    assert "4.8 s at the eager step's growth: about 2.18x the 4-layer run" in md
+    # (10 + 7 + 6 * 0.8) / 10; (11 + 6 * 1.3) / 10
+    assert "| 1 | 2.50x | 2.18x | 1.50x | 1.88x | 4.0 / 11.0 | 500 / 1300 |" in md
+    # (20 + 1 + 6 * 0.1) / 20; (5 + 6 * 0.6) / 20
+    assert "| 2 | 1.50x | 1.08x | 1.20x | 0.43x | 4.0 / 5.0 | 500 / 600 |" in md
+    # (8 + 1 + 6 * 0.5) / 8; (3 + 6 * 0.75) / 8
+    assert "| 3 | 3.00x | 1.50x | 2.00x | 0.94x | 2.0 / 3.0 | 250 / 750 |" in md
+    assert "Median of 3 depth runs, 16 / 4 layers, afresh: 2.50x" in md
+    assert "Median of 3 depth runs, 16 after 4 (knowledge base) / 4 afresh: 1.50x" in md
+    assert md.count("Median of 3 depth runs, its floor:") == 2
+    assert "Median of 3 depth runs, its floor: 1.50x" in md and "its floor: 0.94x" in md
+    assert "no 16-layer run can come within 1.5x of that 4-layer run" in md
+
+
+def test_a_depth_run_without_its_floor_says_so():
+    from benchmarks.decisions import to_markdown
+    run = {"seconds": 10.0, "phases": {}, "decisions": {}, "reasons": {}, "final": ""}
+    result = {"command": "c", "machine": {}, "rows": [], "load": [],
+              "scaling": [dict(run, layers=4, kb="afresh"), dict(run, seconds=15.0, layers=16, kb="afresh")]}
+    md = to_markdown(result)
+    assert "| 1 | 1.50x | - | - | - | - | - |" in md and "Median of" not in md
 
 
 def test_attention_parts_times_both_forms_forward_and_training(capsys):
