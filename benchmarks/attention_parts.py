@@ -2,6 +2,7 @@
 
     python -m benchmarks.attention_parts      # LLaMA's shapes: 4 x 4 heads x 256 x 64, causal
     python -m benchmarks.attention_parts --batch 8 --seq 512 --repeat 3
+    python -m benchmarks.attention_parts --dtype bf16   # both forms in bf16 (softmax in float32)
 
 Why fuse_attention's region decision can sit on its margin on one machine and clear it on
 another: the fused kernel gains far less in training than in the forward (on a 2-core AVX2
@@ -21,16 +22,21 @@ import torch.nn.functional as F
 
 from benchmarks.measure import BENCH_GATE, QUICK_GATE, machine_info, side_by_side
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-def forms(batch: int, heads: int, seq: int, dim: int) -> dict[str, Callable[..., torch.Tensor]]:
+
+def forms(batch: int, heads: int, seq: int, dim: int,
+          dtype: torch.dtype = torch.float32) -> dict[str, Callable[..., torch.Tensor]]:
     """The two forms fuse_attention chooses between, as LLaMA's eager attention writes the first:
-    scores, an additive causal mask, softmax in float32, the weighted sum."""
+    scores, an additive causal mask, softmax in float32 (back to q's dtype), the weighted sum.
+    In bf16 the GEMMs run in bf16 and the mask stays the fp32 model's, as under autocast or
+    ``cast_to_half``."""
     scale = dim ** -0.5
     mask = torch.full((seq, seq), float("-inf")).triu(1).expand(batch, 1, seq, seq).contiguous()
 
     def written(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         w = torch.matmul(q, k.transpose(2, 3)) * scale + mask
-        return torch.matmul(F.softmax(w, -1, dtype=torch.float32), v)
+        return torch.matmul(F.softmax(w, -1, dtype=torch.float32).to(q.dtype), v)
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -45,14 +51,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--quick", action="store_true", help="few pairs: a smoke test")
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    b, h, s, d = args.batch, args.heads, args.seq, args.dim
-    q = torch.randn(b, s, h, d).transpose(1, 2).requires_grad_()  # as a projection's view leaves it
-    k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(2))
-    grad = torch.randn(b, h, s, d)
-    f = forms(b, h, s, d)
+    b, h, s, d, dt = args.batch, args.heads, args.seq, args.dim, DTYPES[args.dtype]
+    q = torch.randn(b, s, h, d, dtype=dt).transpose(1, 2).requires_grad_()  # as a projection's view leaves it
+    k, v = (torch.randn(b, h, s, d, dtype=dt, requires_grad=True) for _ in range(2))
+    grad = torch.randn(b, h, s, d, dtype=dt)
+    f = forms(b, h, s, d, dt)
 
     def forward(form: Callable[..., torch.Tensor]) -> Callable[[], None]:
         def run() -> None:
@@ -67,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     m = machine_info()
     print(f"{m['cpu']}, {m['torch_threads']} threads, torch {m['torch']}; "
-          f"q, k, v {b} x {h} heads x {s} x {d}, causal")
+          f"q, k, v {b} x {h} heads x {s} x {d}, {args.dtype}, causal")
     for i in range(args.repeat):
         for label, wrap in (("forward", forward), ("forward + backward", training)):
             r = side_by_side(wrap(f["written"]), wrap(f["sdpa"]), QUICK_GATE if args.quick else BENCH_GATE)

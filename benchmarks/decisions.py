@@ -34,7 +34,7 @@ import torch
 
 import rewriter
 from benchmarks.configs import make_step, plain_optimizer
-from benchmarks.measure import machine_info
+from benchmarks.measure import isa_text, machine_info
 from benchmarks.models import MODEL_NAMES, TRANSFORMER_SIZES, build_case, call
 from rewriter.confirm import fewest_pairs
 from rewriter.gate import GateSettings
@@ -232,7 +232,7 @@ def _write(out: str, result: dict) -> None:
 def to_markdown(result: dict) -> str:
     m = result["machine"]
     lines = ["# optimize(): decisions run after run", "",
-             f"`{result['command']}` — {m.get('cpu')}, {m.get('cpu_count')} cores, torch {m.get('torch')}, "
+             f"`{result['command']}` — {m.get('cpu')} ({isa_text(m)}), {m.get('cpu_count')} cores, torch {m.get('torch')}, "
              f"{m.get('date')}, load average at start {m.get('load_average_at_start')}", "",
              "Each row: optimize() with default settings, training, run after run in one process "
              "(Dynamo reset between runs). *afresh*: no knowledge base, every run measures every "

@@ -88,6 +88,13 @@ def relative_error(out: Any, reference: torch.Tensor) -> float:
     return (got - want).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
+def isa_text(machine: dict) -> str:
+    """The machine's ISA figures in words: the ones it has, else the ones it lacks."""
+    isa = machine.get("isa", {})
+    have = [k for k, v in isa.items() if v]
+    return ", ".join(have) if have else ("no " + ", no ".join(isa) if isa else "ISA unknown")
+
+
 def _isa(flags: frozenset[str]) -> dict:
     """What decides CPU kernel speed here (native bf16 above all), by the flags' own names."""
     if "asimd" in flags or "neon" in flags:  # ARM: bf16 and SVE are ARMv8.6 / v8.2 extensions

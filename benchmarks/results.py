@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from benchmarks.measure import MEMORY_METHOD
+from benchmarks.measure import MEMORY_METHOD, isa_text
 
 MARKDOWN, JSON, CHART = "RESULTS.md", "results.json", "results.png"
 READING_PLACEHOLDER = ("_To be written by hand after the final default run: where optimize() "
@@ -80,7 +80,7 @@ MODES = {"train": "Training step (forward, loss, backward, AdamW step)",
 
 def to_markdown(results: Results, chart_name: str | None = None) -> str:
     m = results.machine
-    isa = ", ".join(k for k, v in m.get("isa", {}).items() if v) or "unknown"
+    isa = isa_text(m)
     lines = ["# Benchmarks: optimize() beside eager, torch.compile and hand-tuned forms", "",
              f"Command: `{results.command}`", "",
              "## Machine", "",

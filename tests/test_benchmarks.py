@@ -145,6 +145,7 @@ def test_the_decisions_table_says_what_repeated_and_what_depth_costs():
     md = to_markdown(result)
     assert "| gpt2 | fp32 | afresh | 2 | **no** | 10.0 (10.0-10.0) | 4.0 |" in md
     assert "### gpt2 fp32 (afresh): decisions per run" in md
+    assert "— test cpu (ISA unknown)," in md
     assert "| 2 | 16 | knowledge base, after 4 layers | 24.0 |" in md
     # each depth run against its own 4-layer run. Floors: afresh, that run plus the trace's growth
     # plus six other runs of the whole model at the eager step's growth; after 4, the 16-layer
@@ -172,12 +173,22 @@ def test_a_depth_run_without_its_floor_says_so():
     assert "| 1 | 1.50x | - | - | - | - | - |" in md and "Median of" not in md
 
 
-def test_attention_parts_times_both_forms_forward_and_training(capsys):
+@pytest.mark.parametrize("isa, text", [
+    ({"avx512": True, "avx512_bf16": True, "amx_bf16": False}, "avx512, avx512_bf16"),
+    ({"avx512": False, "avx512_bf16": False, "amx_bf16": False}, "no avx512, no avx512_bf16, no amx_bf16"),
+    ({}, "ISA unknown")])
+def test_the_machine_line_names_the_isa_it_has_or_lacks(isa, text):
+    from benchmarks.measure import isa_text
+    assert isa_text({"isa": isa}) == text
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_attention_parts_times_both_forms_forward_and_training(capsys, dtype):
     from benchmarks import attention_parts
     assert attention_parts.main(["--batch", "1", "--heads", "2", "--seq", "16", "--dim", "8",
-                                 "--repeat", "1", "--quick"]) == 0
+                                 "--repeat", "1", "--quick", "--dtype", dtype]) == 0
     out = capsys.readouterr().out
-    assert "1 x 2 heads x 16 x 8, causal" in out
+    assert f"1 x 2 heads x 16 x 8, {dtype}, causal" in out
     assert "1. forward: written" in out and "1. forward + backward: written" in out
 
 
@@ -189,3 +200,21 @@ def test_the_two_attention_forms_compute_the_same():
     f = forms(2, 3, 16, 8)
     # fp32, sums over 16 keys and 8 dims: the default fp32 tolerances hold
     torch.testing.assert_close(f["written"](q, k, v), f["sdpa"](q, k, v))
+
+
+def test_in_bf16_both_attention_forms_run_in_bf16_and_agree_to_its_rounding():
+    import torch
+    from benchmarks.attention_parts import forms
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 8, dtype=torch.bfloat16) for _ in range(3))
+    f = forms(2, 3, 16, 8, torch.bfloat16)
+    written, sdpa = f["written"](q, k, v), f["sdpa"](q, k, v)
+    assert written.dtype == sdpa.dtype == torch.bfloat16
+    # both take the softmax in float32; the written form rounds the scores and the
+    # probabilities to bf16 (8 bits of mantissa, 2**-8 relative) before its two GEMMs, over 8
+    # dims and 16 keys: a few bf16 roundings of values of size ~1
+    torch.testing.assert_close(written.float(), sdpa.float(), rtol=2 ** -6, atol=2 ** -6)
+    # and in float32 the forms are the ones the fp32 test compares
+    f32 = forms(2, 3, 16, 8)
+    torch.testing.assert_close(written.float(), f32["written"](q.float(), k.float(), v.float()),
+                               rtol=2 ** -6, atol=2 ** -6)
