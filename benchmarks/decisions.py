@@ -264,13 +264,13 @@ def to_markdown(result: dict) -> str:
             lines.append(f"| {r.get('rep', 1)} | {r['layers']} | {r.get('kb', 'afresh')} | {r['seconds']:.1f} | "
                          + " | ".join(f"{r['phases'].get(k, 0.0):.1f}" for k in _PHASES) + " |")
         floors = result.get("floors", [])
-        ratios = [_depth_ratios([r for r in result["scaling"] if r.get("rep", 1) == rep],
-                                floors[rep - 1] if rep <= len(floors) else {})
-                  for rep in sorted({r.get("rep", 1) for r in result["scaling"]})]
+        ratios = {rep: _depth_ratios([r for r in result["scaling"] if r.get("rep", 1) == rep],
+                                     floors[rep - 1] if rep <= len(floors) else {})
+                  for rep in sorted({r.get("rep", 1) for r in result["scaling"]})}
         lines += ["", "| depth run | 16 / 4 layers, afresh | its floor | 16 after 4 (knowledge base) / 4 afresh "
                   "| its floor | Dynamo first call 4 / 16 s | eager step 4 / 16 ms |",
                   "|---|---|---|---|---|---|---|"]
-        for rep, d in enumerate(ratios, 1):
+        for rep, d in ratios.items():
             lines.append(f"| {rep} | {_x(d.get('afresh'))} | {_x(d.get('floor'))} | {_x(d.get('after'))} | "
                          f"{_x(d.get('floor_after'))} | "
                          + (f"{d['trace4']:.1f} / {d['trace16']:.1f} | {1000 * d['step4']:.0f} / "
@@ -278,7 +278,7 @@ def to_markdown(result: dict) -> str:
         for what, label in (("afresh", "16 / 4 layers, afresh"), ("floor", "its floor"),
                             ("after", "16 after 4 (knowledge base) / 4 afresh"),
                             ("floor_after", "its floor")):
-            got = [d[what] for d in ratios if d.get(what) is not None]
+            got = [d[what] for d in ratios.values() if d.get(what) is not None]
             if len(got) > 1:
                 lines.append(f"\nMedian of {len(got)} depth runs, {label}: {statistics.median(got):.2f}x")
         lines.append(
