@@ -16,6 +16,7 @@ from rewriter.errors import (
 )
 from rewriter.gate import GateSettings
 from rewriter.host import bind_cores
+from rewriter.install import restore
 from rewriter.optimizers import clip_grad_norm_, zero_grad
 from rewriter.pass_api import Pass, PassContext, Site, register_pass, registered_passes
 from rewriter.report import Decision, Report
@@ -25,7 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     # entry point and its result
-    "optimize", "OptimizedModel", "Report", "Decision",
+    "optimize", "OptimizedModel", "Report", "Decision", "restore",
     # bringing your own pass
     "Pass", "PassContext", "Site", "register_pass", "registered_passes",
     # the gradient step and mixed precision (amp.register_half_function, ...)

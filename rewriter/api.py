@@ -13,6 +13,7 @@ import torch.nn as nn
 from rewriter import distributed
 from rewriter.backends import Backend, get_backend
 from rewriter.gate import Clock, GateSettings
+from rewriter.install import restore
 from rewriter.job import Job, model_device, split_inputs
 from rewriter.pass_api import Pass, PassContext, resolve_passes
 from rewriter.knowledge import KnowledgeBase
@@ -48,6 +49,7 @@ def optimize(
     gate: GateSettings | None = None,
     clock: Clock | None = None,
     compile: bool | str | Callable[..., Any] = "auto",
+    regional: bool | str = "auto",
 ) -> OptimizedModel | tuple[OptimizedModel, torch.optim.Optimizer]:
     """Rewrite ``model`` and keep each rewrite only if it measures faster and matches numerically.
 
@@ -114,6 +116,18 @@ def optimize(
             seconds there; see the README); True: on every device; False: never; an executor
             name ("inductor", "npugraphs", ...) or a torch.compile backend callable: that one.
 
+        regional: decide per repeated block and install the result in every instance
+            (rewriter.blocks, rewriter.install): each block class (modules of one class repeated
+            in a ModuleList/Sequential; a transformers model's ``_no_split_modules``) is
+            captured once on the inputs of its first instance, its rewrites decided once, and
+            its rewritten forward installed behind every instance's own call, so hooks, FSDP2,
+            activation checkpointing and generate() run around it; the rest of the model is
+            captured around the blocks. The installed forwards stay on the model's block classes
+            for registered instances only; ``rewriter.restore(model)`` (or ``fast.restore()``)
+            takes them off. "auto" (default): when the model has blocks and does not trace
+            whole with symbolic_trace, or names its blocks (``_no_split_modules``); True: when
+            it has blocks; False: one capture of the whole model.
+
     Returns:
         The optimized model, or ``(model, optimizer)`` when an optimizer is given.
     """
@@ -143,6 +157,8 @@ def optimize(
             (callable(compile) and not isinstance(compile, str))):
         raise ValueError(f"compile must be 'auto', True, False, one of {sorted(COMPILE_CHOICES - {'auto'})} "
                          f"or a torch.compile backend callable, got {compile!r}")
+    if regional not in ("auto", True, False):
+        raise ValueError(f"regional must be 'auto', True or False, got {regional!r}")
     if clock is not None and not callable(getattr(clock, "time", None)):
         raise TypeError(f"clock must have a time(step) method, got {type(clock).__name__}")
     chosen = resolve_passes(passes, exclude)
@@ -152,15 +168,20 @@ def optimize(
                          + (" (torch_npu cannot be imported)" if backend.name == "npu" else ""))
     if optimizer is not None:
         _check_optimizer_params(model, optimizer)
+    distributed.check_not_sharded(model)
     settings = Settings(min_speedup=float(min_speedup), front_end=front_end,
                         gate=gate or GateSettings(), clock=clock, profile=profile, plan=plan,
                         replace_optimizer=example_inputs is not None, cache_dir=cache_dir,
                         time_budget=float(time_budget) if time_budget is not None else None,
                         knowledge_base=KnowledgeBase.at(knowledge_base), compile=compile,
-                        objective=objective, memory_slowdown=float(memory_slowdown))
+                        objective=objective, memory_slowdown=float(memory_slowdown),
+                        regional=regional)
 
     def run(args: tuple, kwargs: dict) -> Outcome:
         _check_input_devices(model, args, kwargs)
+        # an earlier optimize() of this model installed block forwards: measure against the
+        # model's own code (this run installs its own)
+        restore(model)
         training = optimizer is not None or loss_fn is not None or model.training
         if training and not any(p.requires_grad for p in model.parameters()):
             training = False  # nothing to train: the step is the forward pass

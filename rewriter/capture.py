@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
+import weakref
 import logging
 import warnings
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ class Switch:
 
     use_candidate: bool = False
     deterministic: bool = False  # dropout off, for the numerics check
+    use_compiled: bool = False  # regional compile: block graphs run their compiled form
 
 
 class GraphSlot:
@@ -65,8 +68,16 @@ class GraphSlot:
         self.recorder: Any = None
         self.switch = switch
         self.name = name
+        self.calls = 1  # runs per model call (regional capture: as counted, see count_calls)
+        self.block: str | None = None  # the block class whose forward this graph is
+        self.runs = 0
+        # regional compile: the backend that compiles kept_run at its first run with
+        # switch.use_compiled, and what it gave (one compile serves every instance of a block)
+        self.compiler: Callable[..., Any] | None = None
+        self.compiled_form: Callable[..., Any] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.runs += 1
         if self.switch.use_candidate and self.candidate_run is not None:
             gm = self.candidate_run
         elif self.recorder is not None:
@@ -75,6 +86,10 @@ class GraphSlot:
                 return recorder.run(self.kept_run, args, kwargs)
         else:
             gm = self.compiled if self.compiled is not None else self.kept_run
+            if self.switch.use_compiled and self.compiler is not None:
+                if self.compiled_form is None:
+                    self.compiled_form = self.compiler(self.kept_run, list(args))
+                gm = self.compiled_form
         if self.switch.deterministic:
             with dropout_disabled():
                 return gm(*args, **kwargs)
@@ -194,16 +209,23 @@ class DynamoCapture(Capture):
         # ``_compile_kwargs`` onto the compiled module, i.e. onto the user's model (and Fabric
         # would then take the model for one the user compiled).
         plain_compile = inspect.unwrap(torch.compile)
-        self.compiled = plain_compile(model, backend=self._backend, dynamic=None)
+        self.compiled = plain_compile(model, backend=_weak_backend(self, None), dynamic=None)
         self._ignored_logging = _once_logging_functions()  # once: __call__ runs every step
 
-    def _backend(self, gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def _backend(self, gm: GraphModule, example_inputs: list[Any], block: Any = None) -> Callable[..., Any]:
         self.left_as_modules += functionalize_leaf_modules(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for node, value in zip(placeholders, example_inputs):
-            if isinstance(value, torch.Tensor) and id(value) in self._model_tensors:
+            if isinstance(value, torch.Tensor) and id(value) in self._model_tensors \
+                    and self._same_in_every_instance(value, block):
                 node.meta["static_value"] = value  # the model's own tensor, by reference
-        slot = GraphSlot(gm, self.switch, f"graph_{len(self.slots)}")
+        # The outer graphs are graph_0, graph_1, ...; a block's are Class.graph_0, ...
+        prefix = "" if block is None else f"{block.name}."
+        name = prefix + f"graph_{sum(s.block == getattr(block, 'name', None) for s in self.slots)}"
+        slot = GraphSlot(gm, self.switch, name)
+        if block is not None:
+            slot.block, slot.calls = block.name, len(block.instances)
+            slot.compiler = getattr(self, "block_compiler", None)
         self.slots.append(slot)
         log.debug("dynamo handed over %s with %d nodes", slot.name, len(gm.graph.nodes))
         if self.on_new_graph is not None:
@@ -212,10 +234,29 @@ class DynamoCapture(Capture):
             return self.then_compile(slot.kept_run, example_inputs)
         return slot
 
+    def _same_in_every_instance(self, value: torch.Tensor, block: Any) -> bool:
+        """Whole-model graphs: always. A block's graph serves every instance, so passes may read
+        a tensor's value (a causal mask, a constant scale) only where it is the same in all."""
+        return True
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with torch._dynamo.config.patch(ignore_logging_functions=self._ignored_logging), \
                 _unlogged_trace_headers_skipped():
             return self.compiled(*args, **kwargs)
+
+
+def _weak_backend(cap: "DynamoCapture", block: Any) -> Callable[[GraphModule, list[Any]], Callable[..., Any]]:
+    """The capture's Dynamo backend, holding the capture weakly: Dynamo keeps every backend it
+    was given until ``torch._dynamo.reset()``, and a capture kept alive that way would keep its
+    model (and a regional capture's installed classes) alive with it."""
+    ref = weakref.ref(cap)
+
+    def backend(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        owner = ref()
+        if owner is None:  # the capture is gone: run what Dynamo traced, unrewritten
+            return gm
+        return owner._backend(gm, example_inputs, block)
+    return backend
 
 
 @contextlib.contextmanager
@@ -288,3 +329,206 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, front_end: str = "auto"
             raise CaptureError(f"torch.fx.symbolic_trace failed on {type(model).__name__}: {e}") from e
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return DynamoCapture(model, f"symbolic_trace failed ({type(e).__name__}: {first_line[:160]})")
+
+
+class RegionalCapture(DynamoCapture):
+    """Regional capture: each repeated block class traced once, its graphs installed in every
+    instance (rewriter.install), and the rest of the model captured around them as the outer
+    graphs, in which each block is a call.
+
+    Dynamo traces one instance's forward with the parameters as graph inputs, so the graph it
+    hands over serves every instance of the class; a signature not seen yet (new shapes, the
+    other train/eval mode, grad mode) is a new graph, to which the kept rewrites are replayed.
+    A transformers cache passed to a block is shown to it as that block's own layer of the
+    cache (``_LayerCache``), so writing the cache does not make every layer a graph of its own.
+    """
+
+    front_end = "regional"
+
+    def __init__(self, model: nn.Module, reason: str, blocks: list[Any]) -> None:
+        from rewriter.install import install
+
+        self.blocks = blocks
+        self.installations = []
+        self._model_tensors = {id(t) for t in list(model.parameters()) + list(model.buffers())}
+        self._instance_tensors = {b.name: [{**dict(m.named_parameters()), **dict(m.named_buffers())}
+                                           for _, m in b.instances] for b in blocks}
+        self.slots = []
+        plain_compile = inspect.unwrap(torch.compile)
+        for b in blocks:
+            runner = _BlockRunner(self, b, plain_compile)
+            self.installations.append(install(b.cls, [m for _, m in b.instances], runner))
+        super().__init__(model, reason)
+
+
+    def _same_in_every_instance(self, value: torch.Tensor, block: Any) -> bool:
+        if block is None:
+            return True
+        tensors = self._instance_tensors[block.name]  # per instance: name -> tensor
+        name = next((n for n, t in tensors[0].items() if t is value), None) or \
+            next((n for per in tensors[1:] for n, t in per.items() if t is value), None)
+        if name is None:  # a model tensor outside the block (a shared rotary table)
+            return True
+        return all(name in per and per[name].shape == value.shape and per[name].dtype == value.dtype
+                   and torch.equal(per[name], value) for per in tensors)
+
+    @contextlib.contextmanager
+    def counting_calls(self) -> Iterator[None]:
+        """Count how often each graph runs in the body (one step of the model): a block's graph
+        runs once per instance that takes its signature (the first block's input may not need a
+        gradient where the others' do; a checkpoint's recompute is a graph of its own), and the
+        graph between two blocks once per gap. The counts weigh each site's saving."""
+        for s in self.slots:
+            s.runs = 0
+        yield
+        for s in self.slots:
+            s.calls = s.runs
+
+    def compile_blocks(self, backend: Callable[..., Any]) -> None:
+        """Regional compile: each block graph is compiled by ``backend`` at its first run with
+        ``switch.use_compiled`` (once for all the block's instances); so is a block graph
+        Dynamo hands over later (a new signature)."""
+        self.block_compiler = backend
+        for s in self.slots:
+            if s.block is not None:
+                s.compiler, s.compiled_form = backend, None
+
+    @contextlib.contextmanager
+    def engaged_in_thread(self) -> Iterator[None]:
+        """The installed block graphs run for calls made in this thread during the body."""
+        with contextlib.ExitStack() as stack:
+            for inst in self.installations:
+                stack.enter_context(inst.engaged_here())
+            yield
+
+    @property
+    def engaged(self) -> bool:
+        """Whether the installed block graphs run at every call (optimize() kept a rewrite)."""
+        return any(inst.engaged for inst in self.installations)
+
+    def engage(self) -> None:
+        """From now on every registered instance runs its installed graphs (after optimize())."""
+        for inst in self.installations:
+            inst.engaged = True
+
+    def remove(self) -> None:
+        """Take the installed forwards off again: the classes' forwards are what they were."""
+        for inst in self.installations:
+            inst.remove()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.engaged_in_thread():
+            return super().__call__(*args, **kwargs)
+
+    def block_rows(self) -> list[dict]:
+        """Per block class: instances, the graphs that run for it, and its nodes (the report)."""
+        rows = []
+        for b in self.blocks:
+            mine = [s for s in self.slots if s.block == b.name]
+            rows.append({"class": b.name, "instances": len(b.instances),
+                         "first": b.instances[0][0], "last": b.instances[-1][0],
+                         "graphs": [s.name for s in mine],
+                         "nodes": [len(s.original.graph.nodes) for s in mine],
+                         "rewritten": any(s.kept is not s.original or s.overlay is not None
+                                          for s in mine)})
+        return rows
+
+
+# Graphs one block class may have (signatures: train/eval, grad mode, prefill and decode shapes);
+# past it Dynamo runs the block's own forward, unrewritten.
+BLOCK_SIGNATURES = 16
+
+
+def _call_block(module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    return forward(module, *args, **kwargs)
+
+
+class _BlockRunner:
+    """What an installed instance runs: its class's one compiled (captured) forward, unless hooks
+    were added inside the block after it was captured (the graph would skip them), in which case
+    the instance's own forward runs."""
+
+    def __init__(self, cap: RegionalCapture, block: Any, plain_compile: Callable[..., Any]) -> None:
+        from rewriter.install import hooks_of
+
+        # A code object of its own: Dynamo keeps compiled entries (and counts recompiles) per code
+        # object, and every block class of every optimize() in the process would share one.
+        code = _call_block.__code__.replace(co_name=f"_call_{block.name}")
+        fn = types.FunctionType(code, _call_block.__globals__, code.co_name)
+        self.compiled = plain_compile(fn, backend=_weak_backend(cap, block), dynamic=None)
+        self.cap = cap
+        self.inner = {id(m): [x for x in m.modules() if x is not m] for _, m in block.instances}
+        self.hooks = {k: hooks_of(v) for k, v in self.inner.items()}
+        self.layer_idx = {id(m): _layer_index(m) for _, m in block.instances}
+        self.seen = torch.utils.hooks.RemovableHandle.next_id
+        self.unhooked: set[int] = set()
+
+    def __call__(self, module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self._hooked_inside(module):
+            return forward(module, *args, **kwargs)
+        args, kwargs = _one_layer_caches(args, kwargs, self.layer_idx.get(id(module)))
+        with torch._dynamo.config.patch(ignore_logging_functions=self.cap._ignored_logging,
+                                        recompile_limit=BLOCK_SIGNATURES), \
+                _unlogged_trace_headers_skipped():
+            return self.compiled(module, forward, args, kwargs)
+
+    def _hooked_inside(self, module: nn.Module) -> bool:
+        from rewriter.install import hooks_of
+
+        if id(module) in self.unhooked:
+            return True
+        next_id = torch.utils.hooks.RemovableHandle.next_id
+        if next_id == self.seen:
+            return False
+        changed = [k for k, mods in self.inner.items() if hooks_of(mods) != self.hooks[k]]
+        if not changed:
+            self.seen = next_id
+            return False
+        for k in changed:
+            if k not in self.unhooked:
+                warnings.warn("rewriter: hooks were added inside a rewritten block after optimize(); "
+                              "that instance runs its original forward so they run (call optimize() "
+                              "again to rewrite with them)", stacklevel=4)
+            self.unhooked.add(k)
+        return id(module) in self.unhooked
+
+
+def _layer_index(block: nn.Module) -> int | None:
+    for m in block.modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int) and not isinstance(idx, bool):
+            return idx
+    return None
+
+
+class _LayerCache:
+    """One layer of a transformers ``Cache``, as the block writing it sees it: ``update(k, v,
+    layer_idx)`` writes this layer whatever index it is given, so every instance's graph reads
+    the same attributes and one graph serves them all. Anything else is the cache's own."""
+
+    def __init__(self, cache: Any, layer: Any) -> None:
+        self.__dict__["_cache"] = cache
+        self.__dict__["layer"] = layer
+
+    def update(self, key_states: Any, value_states: Any, layer_idx: Any = None, *args: Any,
+               **kwargs: Any) -> Any:
+        return self.layer.update(key_states, value_states, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_cache"], name)
+
+
+def _one_layer_caches(args: tuple, kwargs: dict, idx: int | None) -> tuple[tuple, dict]:
+    if idx is None:
+        return args, kwargs
+
+    def view(x: Any) -> Any:
+        layers = getattr(x, "layers", None)
+        if not (type(x).__name__.endswith("Cache") and isinstance(layers, list)
+                and callable(getattr(x, "update", None))) or getattr(x, "offloading", False):
+            return x
+        grow = getattr(x, "layer_class_to_replicate", None)
+        while grow is not None and len(layers) <= idx:
+            layers.append(grow())
+        return _LayerCache(x, layers[idx]) if idx < len(layers) else x
+    return tuple(view(a) for a in args), {k: view(v) for k, v in kwargs.items()}

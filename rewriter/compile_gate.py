@@ -223,6 +223,8 @@ class CompileGate:
             r.compiled = {"original": runner}
         elif isinstance(r.cap, DynamoCapture):
             r.compiled = {"dynamo": runner}
+            if hasattr(runner, "keep"):  # regional: the installed blocks run compiled too
+                runner.keep()
         elif isinstance(r.cap, FxCapture):
             r.cap.slots[0].compiled = runner.fn  # the capture now runs the compiled graph
             r.compiled = {"fx": ex.resolve()}

@@ -8,7 +8,8 @@ rewrites. The plan travels as JSON bytes in a tensor (no pickling, unlike
     plan = share_plan(plan_on_rank0_or_None)    # every rank returns rank 0's plan
 
 Optimize the bare model on every rank, then wrap it in DDP/FSDP: measuring runs no collectives,
-so rank 0 can measure while the others wait here.
+so rank 0 can measure while the others wait here. A model already sharded is refused on every
+rank (:func:`check_not_sharded`) instead of hanging.
 """
 from __future__ import annotations
 
@@ -20,6 +21,38 @@ import torch.distributed as dist
 
 def is_multi_rank() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def sharded_by(model: torch.nn.Module) -> str | None:
+    """Which sharding wrapper already holds ``model``'s parameters ("FSDP2 (fully_shard)",
+    "FSDP"), or None. Such a model gathers its parameters at every forward, a collective."""
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
+    except ImportError:  # pragma: no cover - older torch
+        FSDPModule = ()  # noqa: N806
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    except ImportError:  # pragma: no cover
+        FSDP1 = ()  # noqa: N806
+    for m in model.modules():
+        if FSDPModule and isinstance(m, FSDPModule):
+            return "FSDP2 (fully_shard)"
+        if FSDP1 and isinstance(m, FSDP1):
+            return "FSDP"
+    return None
+
+
+def check_not_sharded(model: torch.nn.Module) -> None:
+    """Refuse, on every rank alike (no collective is needed to decide it), a model that is
+    already sharded: rank 0 would gather parameters alone while the others wait for its plan."""
+    by = sharded_by(model) if is_multi_rank() else None
+    if by is not None:
+        raise ValueError(
+            f"the model is already sharded by {by}: optimize() it before fully_shard(), as in "
+            "`fast = rewriter.optimize(model, ...)` then fully_shard() each block and the root. "
+            "Sharded, every forward gathers parameters (a collective), and rank 0 would run "
+            "those alone while the other ranks wait for its decisions; the rewrites installed in "
+            "the blocks run under FSDP2 when it wraps them afterwards")
 
 
 def rank() -> int:

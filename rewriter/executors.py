@@ -37,9 +37,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot
+from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot, RegionalCapture
 from rewriter.npu_capabilities import torch_npu_release
 from rewriter.verify import dropout_disabled
+from rewriter.job import switched
 
 CompilerBackend = Callable[..., Any]  # torch.compile's backend protocol: (gm, example_inputs) -> callable
 
@@ -220,6 +221,8 @@ def compiled_runner(model: nn.Module, cap: Capture | None, backend: CompilerBack
     graph is compiled as it is."""
     if cap is None:
         return inspect.unwrap(torch.compile)(model, backend=backend)
+    if isinstance(cap, RegionalCapture):
+        return RegionalCompiled(model, cap, backend, on_new_graph)
     if isinstance(cap, DynamoCapture):
         runner = DynamoCapture(model, "compiled candidate", then_compile=backend)
         runner.on_new_graph = on_new_graph
@@ -227,6 +230,27 @@ def compiled_runner(model: nn.Module, cap: Capture | None, backend: CompilerBack
     if isinstance(cap, FxCapture):
         return CompiledFx(cap, backend)
     raise TypeError(f"cannot compile a {type(cap).__name__}")
+
+
+class RegionalCompiled:
+    """Regional compile: each block graph compiled once for all its instances, the model around
+    the blocks captured again with the backend after our own (as a whole-model capture is).
+    While it runs, the block graphs run compiled; once it is kept, they do so at every call."""
+
+    def __init__(self, model: nn.Module, cap: RegionalCapture, backend: CompilerBackend,
+                 on_new_graph: Callable[[GraphSlot], None]) -> None:
+        self.cap = cap
+        cap.compile_blocks(backend)
+        self.outer = DynamoCapture(model, "compiled candidate", then_compile=backend)
+        self.outer.on_new_graph = on_new_graph
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.cap.engaged_in_thread(), switched(self.cap.switch, use_compiled=True):
+            return self.outer(*args, **kwargs)
+
+    def keep(self) -> None:
+        """From now on the installed blocks run their compiled graphs, whoever calls them."""
+        self.cap.switch.use_compiled = True
 
 
 def has_dropout(cap: Capture | None, model: nn.Module) -> bool:

@@ -36,13 +36,14 @@ from rewriter import amp, memory, optimizers
 from rewriter import plan as plans
 from rewriter.advisor import advise
 from rewriter.compile_gate import CompileGate
-from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot, capture
+from rewriter.blocks import find_blocks
+from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot, RegionalCapture, capture
 from rewriter.confirm import Confirmation, KeptUnit, usual_pairs
 from rewriter.errors import CaptureError, PlanError
 from rewriter.gate import Clock, GateSettings, Step, decide, device_clock, figure, known_verdict, measure
 from rewriter.ir import structure_signature
 from rewriter.job import VERIFY_SEED, Job, switched
-from rewriter.kept import KeptPass, apply_sites, build, mode_of, overlay_for
+from rewriter.kept import KeptPass, apply_kept, apply_sites, build, mode_of, overlay_for
 from rewriter.knowledge import KnowledgeBase, entry_key
 from rewriter.optimizer_gate import gate_optimizer
 from rewriter.pass_api import Pass, PassContext, registered_passes
@@ -80,6 +81,8 @@ class Settings:
     compile: Any = False
     objective: str = "time"  # "memory": keep what lowers peak memory within memory_slowdown
     memory_slowdown: float = 0.03
+    # regional rewriting (rewriter.blocks): "auto", True or False; see rewriter.api.optimize
+    regional: Any = "auto"
 
 
 @dataclass
@@ -134,6 +137,33 @@ class Run:
 
     # --- the flow ----------------------------------------------------------------------------
     def execute(self) -> Outcome:
+        try:
+            outcome = self._execute()
+        except BaseException:
+            if isinstance(self.cap, RegionalCapture):
+                self.cap.remove()
+            raise
+        if isinstance(outcome.capture, RegionalCapture):
+            self._settle_installation(outcome)
+        return outcome
+
+    def _settle_installation(self, outcome: Outcome) -> None:
+        """Regional capture: the installed block forwards stay, engaged for every call from now
+        on, when a block graph runs rewritten; otherwise they are taken off again."""
+        cap: RegionalCapture = outcome.capture  # type: ignore[assignment]
+        rows = cap.block_rows()
+        for row in rows:  # which kept passes rewrite this block's graphs
+            slots = [s for s in cap.slots if s.block == row["class"]]
+            row["passes"] = [kp.name for kp in outcome.kept if any(
+                (s.overlay is not None) if kp.pass_.sets_precision else
+                apply_kept(s.original, kp, self.ctx, s.name) is not None for s in slots)]
+        self.report.blocks = rows
+        if outcome.use_original or not any(r["rewritten"] for r in rows):
+            cap.remove()
+        else:
+            cap.engage()
+
+    def _execute(self) -> Outcome:
         job = self.job
         use_original = False
         with preserved_state(job.model, job.optimizer, job.backend.rng_states()) as snapshot:
@@ -294,6 +324,25 @@ class Run:
         self.report.decisions.append(d)
         log.info("rewriter: optimizer: %s: %s", d.status, d.reason)
 
+    def _site_descriptions(self, sites: dict[str, list]) -> list[str]:
+        """One line per site in the model. A block's graphs serve all its instances: their sites
+        are listed once per instance (from the block graph with the most, as the graphs of one
+        block are its signatures, e.g. a checkpoint's recompute, not more sites)."""
+        slots = {s.name: s for s in self.cap.slots}
+        out: list[str] = []
+        per_block: dict[str, list[str]] = {}
+        for name, found in sites.items():
+            descs = [s.description for s in found]
+            block = slots[name].block
+            if block is None:
+                out += descs
+            elif len(descs) > len(per_block.get(block, [])):
+                per_block[block] = descs
+        instances = {b.name: len(b.instances) for b in getattr(self.cap, "blocks", [])}
+        for block, descs in per_block.items():
+            out += [f"{d} (in each {block})" for d in descs] * instances.get(block, 1)
+        return out
+
     def _try(self, p: Pass) -> Decision:
         why_not = p.applies_to(self.ctx)
         if why_not:
@@ -306,7 +355,7 @@ class Run:
         except Exception as e:
             self._reject_all()
             return Decision(p.name, False, "raised", f"{type(e).__name__}: {e}", scope=p.scope)
-        descriptions = [s.description for found in sites.values() for s in found]
+        descriptions = self._site_descriptions(sites)
         if not descriptions:
             self._reject_all()
             return Decision(p.name, False, "no sites", "; ".join(self.ctx.declined) or "no site matched",
@@ -339,7 +388,7 @@ class Run:
         for slot, r in regions:
             groups[r.signature(device, mode, p.version, precision)].append((slot, r))
         keys = {sig: self._region_key(p, members[0][1], precision) for sig, members in groups.items()}
-        known = {sig: self._known_row(keys[sig], len(members)) for sig, members in groups.items()}
+        known = {sig: self._known_row(keys[sig], _calls(members)) for sig, members in groups.items()}
         # A signature the knowledge base rejects is not run at all: recording its boundary
         # values and verifying it would only decide what is already decided (a kept one is
         # still verified on this model's values). Under the memory objective in training
@@ -378,7 +427,7 @@ class Run:
                 kept_sigs.add(sig)
                 kept_structures.add(structure)
                 self.units.append(KeptUnit(p.name, sig, row.get("speedup"), row.get("noise"),
-                                           row.get("saved_ms_per_step"), len(members)))
+                                           row.get("saved_ms_per_step"), _calls(members)))
             else:
                 rejected_structures.add(structure)
                 rejected.add(sig)
@@ -391,7 +440,7 @@ class Run:
         status = "kept" if kept_sigs else (statuses.pop() if len(statuses) == 1 else "rejected")
         kept_sites = sum(r["sites"] for r in rows if r["kept"])
         reason = (f"{len(kept_sigs)} of {len(rows)} signature(s) kept ({kept_sites} of "
-                  f"{len(regions)} sites); " if len(rows) > 1 else "") + \
+                  f"{_calls(regions)} sites); " if len(rows) > 1 else "") + \
             f"region, {lead['sites']} site(s): {lead['reason']}"
         return Decision(p.name, bool(kept_sigs), status, reason, speedup=lead.get("speedup"),
                         noise=lead.get("noise"), max_abs_error=worst_err,
@@ -425,7 +474,7 @@ class Run:
                   and figures.get("pairs", 0) >= 2)
         keep, reason, by = memory.decide_held(
             bool(row["kept"]), row["reason"], row.get("speedup") if usable else None, before, after,
-            len(members), self._memory_floor, self.settings.memory_slowdown)
+            _calls(members), self._memory_floor, self.settings.memory_slowdown)
         return {**row, "kept": keep, "status": "kept" if keep else "rejected", "reason": reason,
                 "objective": by, "held_bytes_before": before, "held_bytes_after": after}
 
@@ -485,7 +534,7 @@ class Run:
             return row
         slot, r = members[0]
         too_small, once_ms = self._too_small_to_measure(r, self._values(values, slot, r), overlay,
-                                                        len(members))
+                                                        _calls(members))
         if too_small:
             row.update(status="rejected", source="measured", reason=too_small,
                        region_ms_before=once_ms)
@@ -500,14 +549,14 @@ class Run:
                                forms=self._forms(r, overlay), deadline=self.deadline,
                                original_seconds=None if once_ms is None else once_ms / 1e3)
         keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
-        keep, reason = self._negligible(keep, reason, m.saved_ms * len(members))
+        keep, reason = self._negligible(keep, reason, m.saved_ms * _calls(members))
         figures = m.to_dict()  # finite figures or None (no pair: a warm-up the budget cut short)
         saved = _saved(figures)
         row.update(kept=keep, status="kept" if keep else "rejected", source="measured",
                    reason=reason, speedup=figures["speedup"], noise=figures["noise"],
                    measurement=figures, region_ms_before=figures["baseline_ms"],
                    region_ms_after=figures["candidate_ms"],
-                   saved_ms_per_step=None if saved is None else saved * len(members))
+                   saved_ms_per_step=None if saved is None else saved * _calls(members))
         if m.storable(self.settings.gate.min_pairs):
             self.settings.knowledge_base.put(key, {**figures, "pass": p.name, "example": first.label,
                                                    "ran_in": row["ran_in"]})
@@ -849,7 +898,18 @@ class Run:
         """Capture, and check the captured model computes what the model does (else fall back)."""
         job, front_end = self.job, self.settings.front_end
         log.info("rewriter: capturing %s (%s step)", type(job.model).__name__, job.mode)
-        cap = capture(job.model, job.args, job.kwargs, front_end)
+        cap = self._regional_capture()
+        if cap is not None:
+            problem = self._capture_mismatch(cap)
+            if problem:
+                cap.remove()
+                log.info("rewriter: the regional capture differs from the model (%s); capturing "
+                         "the whole model", problem)
+                self.report.notes.append(f"regional capture differs from the model ({problem}): "
+                                         "the whole model was captured instead")
+                cap = None
+        if cap is None:
+            cap = capture(job.model, job.args, job.kwargs, front_end)
         if isinstance(cap, FxCapture):
             cap.restore_output_type(job.output_type)
         problem = self._capture_mismatch(cap)
@@ -867,6 +927,32 @@ class Run:
         self.report.left_as_modules = sorted(set(cap.left_as_modules))
         log.info("rewriter: front-end %s (%s), %d graph(s)", cap.front_end, cap.reason, len(cap.slots))
         return cap
+
+    def _regional_capture(self) -> RegionalCapture | None:
+        """The regional capture when it is asked for, or chosen ("auto": the model has repeated
+        blocks and does not trace whole with symbolic_trace, or says which are its blocks, as
+        transformers models do with ``_no_split_modules``); None otherwise."""
+        regional, model = self.settings.regional, self.job.model
+        if regional is False or self.settings.front_end == "fx":
+            return None
+        blocks = find_blocks(model)
+        if not blocks:
+            if regional is True:
+                self.report.notes.append("regional=True, but the model has no repeated block: "
+                                         "the whole model was captured")
+            return None
+        names = ", ".join(f"{b.name} x{len(b.instances)}" for b in blocks)
+        if regional is True:
+            why = f"regional=True: blocks {names}"
+        elif getattr(model, "_no_split_modules", None):
+            why = f"blocks {names} (the model's _no_split_modules)"
+        else:
+            try:
+                torch.fx.symbolic_trace(model)
+                return None  # traces whole: the fx front-end's readable graph
+            except Exception:
+                why = f"blocks {names}; symbolic_trace does not capture the whole model"
+        return RegionalCapture(model, why, blocks)
 
     def _require_stable_graphs(self, cap: DynamoCapture) -> None:
         """A second call on the same inputs must reuse the graphs. If Dynamo compiles again, its
@@ -886,8 +972,9 @@ class Run:
     def _capture_mismatch(self, cap: Capture) -> str:
         """The captured graphs against the model. Plain fp32 rounding (GEMMs blocked another
         way) is not a mismatch: beyond the bound, a float64 run of the model judges."""
+        counting = cap.counting_calls() if isinstance(cap, RegionalCapture) else contextlib.nullcontext()
         try:
-            with switched(cap.switch, deterministic=True):
+            with switched(cap.switch, deterministic=True), counting:
                 got = self.job.numerics(cap, deterministic=contextlib.nullcontext())
         except Exception as e:
             return f"{type(e).__name__}: {e}"
@@ -1016,9 +1103,15 @@ VERIFY_SAMPLE = 3
 def _row_head(sig: str, members: list[tuple[GraphSlot, Region]], ran_in: Any) -> dict[str, Any]:
     """A signature's report row before it is decided; ``ran_in``: a dtype or its name."""
     first = members[0][1]
-    return {"signature": sig, "sites": len(members), "example": first.label,
+    return {"signature": sig, "sites": _calls(members), "example": first.label,
             "boundary": first.boundary, "kept": False,
             "ran_in": str(ran_in).replace("torch.", "")}
+
+
+def _calls(members: list[tuple[GraphSlot, Region]]) -> int:
+    """How often a signature's sites run in one call of the model: a site in a block's graph
+    runs once per instance of the block."""
+    return sum(slot.calls for slot, _ in members)
 
 
 def _verify_sample(members: list) -> list:

@@ -67,6 +67,9 @@ class Report:
     objective: str = "time"  # optimize(objective=)
     # The memory view (rewriter.memory.MemoryTimeline.to_dict() of one step, "before"/"after")
     memory: dict = field(default_factory=dict)
+    # Regional rewriting: per block class, its instances, the graphs that run for it, the kept
+    # passes that rewrite them (rewriter.capture.RegionalCapture.block_rows)
+    blocks: list[dict] = field(default_factory=list)
 
     def attach_profiles(self, **profiles: Any) -> None:
         """The ProfileResults the report's tables came from (``original=``, ``optimized=``):
@@ -126,6 +129,14 @@ class Report:
         if self.final:
             verdict = "optimized model returned" if self.final.get("kept") else "original model returned"
             lines.append(f"- whole model: {verdict}: {self.final.get('reason', '')}")
+        if self.blocks:
+            lines += ["", "## Blocks (each class decided once, installed in every instance)", "",
+                      "| block | instances | modules | graphs (nodes) | kept passes that rewrite it |",
+                      "|---|---|---|---|---|"]
+            for b in self.blocks:
+                graphs = ", ".join(f"{g} ({n})" for g, n in zip(b["graphs"], b["nodes"])) or "-"
+                lines.append(f"| {b['class']} | {b['instances']} | {b['first']} .. {b['last']} | "
+                             f"{graphs} | {', '.join(b.get('passes', [])) or 'none'} |")
         lines += ["", "| pass | decision | speedup | max abs error | sites | reason |",
                   "|---|---|---|---|---|---|"]
         for d in self.decisions:

@@ -22,8 +22,10 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from rewriter import amp
-from rewriter.capture import DynamoCapture, FxCapture
+from rewriter.capture import DynamoCapture, FxCapture, RegionalCapture
 from rewriter.executors import compiled_runner
+from rewriter.install import hooks_of as _hooks_of
+from rewriter.install import restore as _restore
 from rewriter.pipeline import Outcome, replay_on_slot
 from rewriter.report import Report
 from rewriter.state import preserved_state
@@ -63,6 +65,16 @@ class OptimizedModel(nn.Module):
         """The model as the user gave it (sharing its tensors with this one)."""
         return self.__dict__["_model"]
 
+    def restore(self) -> int:
+        """Take the installed block forwards off the model (regional rewriting): the block
+        classes' forwards are exactly what they were, and from now on the original model runs.
+        Same as ``rewriter.restore(fast)``. Returns how many installations were removed."""
+        outcome = self.__dict__["_outcome"]
+        if outcome is not None and not outcome.use_original:
+            outcome.fall_back_to_original("rewriter.restore(): the installed blocks were taken "
+                                          "off; the original model runs")
+        return _restore(self.__dict__["_model"])
+
     def graph_code(self) -> dict[str, str]:
         """Python code of each captured graph as it now runs (empty before optimizing)."""
         outcome = self.__dict__["_outcome"]
@@ -100,7 +112,7 @@ class OptimizedModel(nn.Module):
     def _set_outcome(self, outcome: Outcome) -> None:
         self.__dict__["_outcome"] = outcome
         self.__dict__["report"] = outcome.report
-        modules = list(self.__dict__["_model"].modules())
+        modules = _outside_blocks(self.__dict__["_model"], outcome.capture)
         self.__dict__["_hooks_seen"] = [modules, _hooks_of(modules), RemovableHandle.next_id]
         if isinstance(outcome.capture, FxCapture):
             self.__dict__["_fx_by_mode"][outcome.capture.training] = outcome.capture
@@ -149,8 +161,10 @@ class OptimizedModel(nn.Module):
         if outcome.use_original or outcome.capture is None:
             self.__dict__["_compiled"] = {"original": compiled_runner(model, None, compiler, replay)}
         elif isinstance(outcome.capture, DynamoCapture):
-            self.__dict__["_compiled"] = {"dynamo": compiled_runner(model, outcome.capture, compiler,
-                                                                    replay)}
+            runner = compiled_runner(model, outcome.capture, compiler, replay)
+            if hasattr(runner, "keep"):  # regional: the installed blocks run compiled too
+                runner.keep()
+            self.__dict__["_compiled"] = {"dynamo": runner}
         else:
             self.__dict__["_compiled"] = {"fx": compiler}
             for runner in self.__dict__["_fx_by_mode"].values():
@@ -177,6 +191,10 @@ class OptimizedModel(nn.Module):
         outcome: Outcome = self.__dict__["_outcome"]
         reason = ("module hooks changed after optimize(); the rewritten graphs cannot run them, "
                   "so the original model runs (call optimize() again to rewrite with the hooks)")
+        if isinstance(outcome.capture, RegionalCapture) and outcome.capture.engaged:
+            reason = ("module hooks changed outside the model's blocks after optimize(); the outer "
+                      "graphs cannot run them, so the model's own code runs around the blocks, "
+                      "whose rewrites still run (call optimize() again to rewrite the rest)")
         outcome.fall_back_to_original(reason)
         warnings.warn(f"rewriter: {reason}", stacklevel=3)
         return True
@@ -201,10 +219,14 @@ class OptimizedModel(nn.Module):
         return f"OptimizedModel({self.extra_repr()})"
 
 
-def _hooks_of(modules: list[nn.Module]) -> tuple:
-    """Which hooks each module has, as comparable handle ids."""
-    return tuple((tuple(m._forward_pre_hooks), tuple(m._forward_hooks), tuple(m._backward_hooks),
-                  tuple(getattr(m, "_backward_pre_hooks", ()))) for m in modules)
+def _outside_blocks(model: nn.Module, capture: Any) -> list[nn.Module]:
+    """The modules whose hooks a captured graph would skip: all of them, except, for a regional
+    capture, the blocks and what is inside them (a block's own call, hooks included, runs around
+    its installed graph; hooks inside a block are the block runner's to watch)."""
+    if not isinstance(capture, RegionalCapture):
+        return list(model.modules())
+    inside = {id(m) for b in capture.blocks for _, inst in b.instances for m in inst.modules()}
+    return [m for m in model.modules() if id(m) not in inside]
 
 
 def _compile_fx_capture(cap: FxCapture, compiler: Callable[..., Any]) -> None:

@@ -1,0 +1,187 @@
+"""Regional rewriting against depth, whole-model capture and torch.compile's first step.
+
+    python -m benchmarks.regional --out benchmarks            # ~10 min on 2 cores
+    python -m benchmarks.regional --depths 4 --no-compile --out /tmp/r
+
+The zoo's LLaMA config (hidden 256, 4x256 tokens, fp32 training with AdamW), afresh (no
+knowledge base, Dynamo reset before each run, as a new process), at each depth:
+
+- optimize() with the defaults (regional: each decoder layer class decided once) and with
+  ``regional=False`` (one capture of the whole model): seconds, of which the capture, the
+  graphs captured, the block graphs, the kept passes;
+- the floor of the fixed whole-model runs any measuring optimize() makes (the reference, the
+  composed model's verification, the step check's fewest pairs), from one eager step;
+- torch.compile's (Inductor's) first training step, with a cold Inductor cache of its own.
+
+Then activation checkpointing (``model.gradient_checkpointing_enable()``) at 4 layers: the
+sites each pass finds and whether it is kept, with and without. Writes ``REGIONAL.md`` and
+``regional.json`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+import torch
+
+import rewriter
+from benchmarks.configs import make_step, plain_optimizer
+from benchmarks.decisions import FEWEST_WHOLE_STEPS, _case
+from benchmarks.measure import isa_text, machine_info
+from benchmarks.models import call
+
+MODEL = "llama"
+
+
+def _say(msg: str) -> None:
+    print(f"[regional {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def optimize_run(layers: int, regional: Any, checkpointing: bool = False) -> dict[str, Any]:
+    torch._dynamo.reset()
+    case = _case(MODEL, layers)
+    if checkpointing:
+        case.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = plain_optimizer(case.model, True)
+    started = time.perf_counter()
+    fast, _ = rewriter.optimize(case.model, case.inputs, optimizer=opt, loss_fn=case.loss_fn,
+                                knowledge_base=False, profile=False, progress=False,
+                                regional=regional)
+    seconds = time.perf_counter() - started
+    r = fast.report
+    blocks = r.blocks or []
+    out = {"layers": layers, "regional": r.front_end == "regional", "seconds": round(seconds, 2),
+           "capture_s": round(r.phases.get("capture", 0.0), 2), "graphs": r.graphs,
+           "block_graphs": sum(len(b["graphs"]) for b in blocks),
+           "kept": r.kept_passes,
+           "sites": {d.pass_name: len(d.sites) for d in r.decisions if d.sites},
+           "statuses": {d.pass_name: d.status for d in r.decisions
+                        if d.status not in ("not applicable", "no sites")},
+           "final": r.final.get("reason", "")}
+    fast.restore()
+    return out
+
+
+def eager_step_s(layers: int) -> float:
+    case = _case(MODEL, layers)
+    step = make_step(case.model, case.inputs, optimizer=plain_optimizer(case.model, True),
+                     loss_fn=case.loss_fn)
+    step()
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def compile_first_step_s(layers: int) -> float:
+    """torch.compile (Inductor) of the model, first training step, with an Inductor cache of its
+    own (cold), as a user's first compiled step."""
+    torch._dynamo.reset()
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        try:
+            case = _case(MODEL, layers)
+            compiled = torch.compile(case.model)
+            opt = plain_optimizer(case.model, True)
+            started = time.perf_counter()
+            loss = case.loss_fn(call(compiled, case.inputs))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return time.perf_counter() - started
+        finally:
+            torch._dynamo.reset()
+            if old is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.regional", description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--depths", nargs="+", type=int, default=[4, 16])
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time torch.compile's first step at the deepest depth")
+    p.add_argument("--whole", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run regional=False at each depth")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    machine = machine_info()
+    command = "python -m benchmarks.regional " + " ".join(argv if argv is not None else sys.argv[1:])
+    result: dict[str, Any] = {"machine": machine, "command": command, "depth": [], "checkpointing": {}}
+    for layers in args.depths:
+        row: dict[str, Any] = {"layers": layers}
+        _say(f"{layers} layers: optimize() regional")
+        row["regional"] = optimize_run(layers, "auto")
+        if args.whole:
+            _say(f"{layers} layers: optimize() whole model")
+            row["whole"] = optimize_run(layers, False)
+        row["eager_step_s"] = round(eager_step_s(layers), 3)
+        row["floor_s"] = round(FEWEST_WHOLE_STEPS * row["eager_step_s"], 2)
+        if args.compile and layers == max(args.depths):
+            _say(f"{layers} layers: torch.compile first step")
+            row["compile_first_step_s"] = round(compile_first_step_s(layers), 2)
+        result["depth"].append(row)
+    _say("checkpointing")
+    shallow = min(args.depths)
+    result["checkpointing"] = {"off": optimize_run(shallow, "auto"),
+                               "on": optimize_run(shallow, "auto", checkpointing=True)}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "regional.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "REGIONAL.md"), "w") as f:
+        f.write(to_markdown(result))
+    print(to_markdown(result))
+    return 0
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = [f"`{result['command']}` — {m.get('cpu', '?')} ({isa_text(m)}), {m.get('cpu_count', '?')} cores, "
+             f"torch {m.get('torch', '?')}, {m.get('date', '?')}", "",
+             f"## Cost against depth ({MODEL} config, fp32 training, afresh)", "",
+             "| layers | capture | optimize() s | of it capture s | graphs | block graphs | kept | "
+             "fixed whole-model runs s (floor) | torch.compile first step s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in result["depth"]:
+        for kind in ("regional", "whole"):
+            r = row.get(kind)
+            if r is None:
+                continue
+            lines.append(f"| {row['layers']} | {kind} | {r['seconds']} | {r['capture_s']} | {r['graphs']} | "
+                         f"{r['block_graphs']} | {', '.join(r['kept']) or '-'} | {row['floor_s']} | "
+                         f"{row.get('compile_first_step_s', '-') if kind == 'regional' else ''} |")
+    depth = {row["layers"]: row for row in result["depth"]}
+    if len(depth) >= 2:
+        lo, hi = min(depth), max(depth)
+        a, b = depth[lo]["regional"]["seconds"], depth[hi]["regional"]["seconds"]
+        growth = depth[hi]["floor_s"] - depth[lo]["floor_s"]
+        lines += ["", f"Regional, {hi} against {lo} layers: {b} s against {a} s; {lo} layers plus the "
+                  f"growth of the fixed whole-model runs ({growth:.2f} s): {a + growth:.2f} s."]
+        if "compile_first_step_s" in depth[hi]:
+            c = depth[hi]["compile_first_step_s"]
+            lines.append(f"optimize() at {hi} layers / torch.compile's first step at {hi} layers: "
+                         f"{b} / {c} = {b / c:.2f}.")
+    ck = result.get("checkpointing") or {}
+    if ck:
+        lines += ["", "## Activation checkpointing (transformers' switch, non-reentrant)", "",
+                  "| pass | sites, off | status, off | sites, on | status, on |", "|---|---|---|---|---|"]
+        names = sorted(set(ck["off"]["sites"]) | set(ck["on"]["sites"]))
+        for n in names:
+            lines.append(f"| {n} | {ck['off']['sites'].get(n, 0)} | {ck['off']['statuses'].get(n, '-')} | "
+                         f"{ck['on']['sites'].get(n, 0)} | {ck['on']['statuses'].get(n, '-')} |")
+        lines.append(f"| (kept) | | {', '.join(ck['off']['kept'])} | | {', '.join(ck['on']['kept'])} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""Regional rewriting on transformers models: checkpointing, eval and generate().
+
+A tiny LLaMA (2 decoder layers); the decisions come from a controlled clock (every pass
+faster), so what is checked is which sites are found, where the rewritten block graphs run,
+and that the numbers and tokens are the model's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rewriter
+from rewriter.capture import GraphSlot
+from tests.controlled import QUICK, ControlledClock
+
+transformers = pytest.importorskip("transformers")
+from tests.test_transformers import ALL_FASTER, LAYERS, VOCAB, _inputs, _llama  # noqa: E402
+
+
+def _opt(model, inputs, **kw):
+    return rewriter.optimize(model, inputs, clock=ControlledClock(ALL_FASTER), gate=QUICK,
+                             progress=False, profile=False, knowledge_base=False, **kw)
+
+
+@pytest.fixture
+def block_runs(monkeypatch):
+    """How many times block graphs ran, counted in GraphSlot.__call__."""
+    runs = {"n": 0}
+    real = GraphSlot.__call__
+
+    def counted(self, *args, **kwargs):
+        if self.block is not None:
+            runs["n"] += 1
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(GraphSlot, "__call__", counted)
+    return runs
+
+
+def test_gradient_checkpointing_finds_and_keeps_the_same_sites_and_the_loss_is_unchanged(block_runs):
+    found = {}
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = _llama().train()
+        model.config.use_cache = False  # as transformers sets it under checkpointing: the same model
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        inputs = _inputs(True)
+        want = model(**inputs).loss.item()
+        fast = _opt(model, inputs)
+        r = fast.report
+        found[ckpt] = ({d.pass_name: len(d.sites) for d in r.decisions if d.sites}, r.kept_passes)
+        assert r.front_end == "regional"
+        block_runs["n"] = 0
+        got = fast(**inputs).loss
+        got.backward()
+        # two layers, and with checkpointing each recomputes its forward in backward
+        assert block_runs["n"] == (2 * LAYERS if ckpt else LAYERS)
+        assert got.item() == pytest.approx(want, rel=1e-5)
+        fast.restore()
+    assert found[True] == found[False]
+    assert found[False][0]["fuse_rms_norm"] == 2 * LAYERS + 1 and "fuse_rms_norm" in found[False][1]
+
+
+def test_eval_and_generate_run_the_rewritten_blocks_and_give_the_same_tokens(block_runs):
+    torch.manual_seed(0)
+    model = _llama().eval()
+    prompt = torch.randint(0, VOCAB, (1, 8))
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    fast = _opt(model, {"input_ids": prompt})
+    assert fast.report.front_end == "regional" and fast.report.kept_passes
+    block_runs["n"] = 0
+    with torch.no_grad():
+        got = fast.generate(prompt, max_new_tokens=6, do_sample=False)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # prefill and every decode step go through the block graphs (a decode step is a signature
+    # of its own: captured once more, the kept rewrites replayed onto it)
+    assert block_runs["n"] >= 6 * LAYERS
+    fast.restore()
