@@ -14,7 +14,8 @@ knowledge base, Dynamo reset before each run, as a new process), at each depth:
 - torch.compile's (Inductor's) first training step, with a cold Inductor cache of its own.
 
 Then activation checkpointing (``model.gradient_checkpointing_enable()``) at 4 layers: the
-sites each pass finds and whether it is kept, with and without. Writes ``REGIONAL.md`` and
+sites each pass finds and whether it is kept, with and without (``use_cache=False`` both ways,
+as transformers sets it under checkpointing: the same model). Writes ``REGIONAL.md`` and
 ``regional.json`` into ``--out``.
 """
 from __future__ import annotations
@@ -43,9 +44,13 @@ def _say(msg: str) -> None:
     print(f"[regional {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def optimize_run(layers: int, regional: Any, checkpointing: bool = False) -> dict[str, Any]:
+def optimize_run(layers: int, regional: Any, checkpointing: bool | None = None) -> dict[str, Any]:
+    """``checkpointing``: None leaves the model as built; False/True compares like with like
+    (``use_cache=False`` both ways, as transformers sets it under checkpointing)."""
     torch._dynamo.reset()
     case = _case(MODEL, layers)
+    if checkpointing is not None:
+        case.model.config.use_cache = False
     if checkpointing:
         case.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = plain_optimizer(case.model, True)
@@ -59,7 +64,7 @@ def optimize_run(layers: int, regional: Any, checkpointing: bool = False) -> dic
     out = {"layers": layers, "regional": r.front_end == "regional", "seconds": round(seconds, 2),
            "capture_s": round(r.phases.get("capture", 0.0), 2), "graphs": r.graphs,
            "block_graphs": sum(len(b["graphs"]) for b in blocks),
-           "kept": r.kept_passes,
+           "kept": r.kept_passes, "phases": {k: round(v, 2) for k, v in r.phases.items()},
            "sites": {d.pass_name: len(d.sites) for d in r.decisions if d.sites},
            "statuses": {d.pass_name: d.status for d in r.decisions
                         if d.status not in ("not applicable", "no sites")},
@@ -90,13 +95,10 @@ def compile_first_step_s(layers: int) -> float:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         try:
             case = _case(MODEL, layers)
-            compiled = torch.compile(case.model)
-            opt = plain_optimizer(case.model, True)
+            step = make_step(torch.compile(case.model), case.inputs,
+                             optimizer=plain_optimizer(case.model, True), loss_fn=case.loss_fn)
             started = time.perf_counter()
-            loss = case.loss_fn(call(compiled, case.inputs))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            step()
             return time.perf_counter() - started
         finally:
             torch._dynamo.reset()
@@ -133,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["depth"].append(row)
     _say("checkpointing")
     shallow = min(args.depths)
-    result["checkpointing"] = {"off": optimize_run(shallow, "auto"),
+    result["checkpointing"] = {"off": optimize_run(shallow, "auto", checkpointing=False),
                                "on": optimize_run(shallow, "auto", checkpointing=True)}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "regional.json"), "w") as f:

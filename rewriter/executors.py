@@ -37,7 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot, RegionalCapture
+from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot
+from rewriter.regional import RegionalCapture
 from rewriter.npu_capabilities import torch_npu_release
 from rewriter.verify import dropout_disabled
 from rewriter.job import switched

@@ -37,7 +37,8 @@ from rewriter import plan as plans
 from rewriter.advisor import advise
 from rewriter.compile_gate import CompileGate
 from rewriter.blocks import find_blocks
-from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot, RegionalCapture, capture
+from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot, capture
+from rewriter.regional import RegionalCapture
 from rewriter.confirm import Confirmation, KeptUnit, usual_pairs
 from rewriter.errors import CaptureError, PlanError
 from rewriter.gate import Clock, GateSettings, Step, decide, device_clock, figure, known_verdict, measure

@@ -22,7 +22,8 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from rewriter import amp
-from rewriter.capture import DynamoCapture, FxCapture, RegionalCapture
+from rewriter.capture import DynamoCapture, FxCapture
+from rewriter.regional import RegionalCapture
 from rewriter.executors import compiled_runner
 from rewriter.install import hooks_of as _hooks_of
 from rewriter.install import restore as _restore

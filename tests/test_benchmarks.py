@@ -218,3 +218,26 @@ def test_in_bf16_both_attention_forms_run_in_bf16_and_agree_to_its_rounding():
     f32 = forms(2, 3, 16, 8)
     torch.testing.assert_close(written.float(), f32["written"](q.float(), k.float(), v.float()),
                                rtol=2 ** -6, atol=2 ** -6)
+
+
+def test_the_regional_table_compares_depth_with_its_floor_and_torch_compile():
+    from benchmarks.regional import to_markdown
+
+    def opt(layers, seconds, regional=True):
+        return {"layers": layers, "regional": regional, "seconds": seconds, "capture_s": 2.0,
+                "graphs": 5 if regional else 1, "block_graphs": 1 if regional else 0,
+                "kept": ["fuse_optimizer"], "sites": {"fuse_rms_norm": 9},
+                "statuses": {"fuse_rms_norm": "rejected"}, "phases": {}, "final": ""}
+    result = {"command": "python -m benchmarks.regional", "machine": {"cpu": "test cpu", "cpu_count": 2},
+              "depth": [{"layers": 4, "regional": opt(4, 10.0), "whole": opt(4, 9.0, False),
+                         "eager_step_s": 0.25, "floor_s": 1.5},
+                        {"layers": 16, "regional": opt(16, 14.0), "whole": opt(16, 20.0, False),
+                         "eager_step_s": 1.0, "floor_s": 6.0, "compile_first_step_s": 70.0}],
+              "checkpointing": {"off": opt(4, 10.0), "on": opt(4, 11.0)}}
+    md = to_markdown(result)
+    assert "| 16 | regional | 14.0 | 2.0 | 5 | 1 | fuse_optimizer | 6.0 | 70.0 |" in md
+    assert "| 16 | whole | 20.0 | 2.0 | 1 | 0 | fuse_optimizer | 6.0 |  |" in md
+    # the 4-layer run plus the floor's growth (6.0 - 1.5); against torch.compile's first step
+    assert "growth of the fixed whole-model runs (4.50 s): 14.50 s." in md
+    assert "14.0 / 70.0 = 0.20." in md
+    assert "| fuse_rms_norm | 9 | rejected | 9 | rejected |" in md

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 import rewriter
 from rewriter import Pass, PassContext, Site
 from rewriter.blocks import find_blocks
-from rewriter.capture import RegionalCapture
+from rewriter.regional import RegionalCapture
 from rewriter.install import install
 from rewriter.ir import mark_new_node
 from tests.controlled import QUICK, ControlledClock
