@@ -47,7 +47,7 @@ from typing import Callable, Sequence
 
 from rewriter.backends import get_backend
 from rewriter.op_analysis import OpAnalysis
-from rewriter.profiling import KernelRow, OpRow, ProfileResult
+from rewriter.profile_rows import KernelRow, OpRow, ProfileLike, is_profile
 from rewriter.roofline import RooflineRow, describe_origins
 
 __all__ = ["AdvisorSettings", "Finding", "advise", "findings_to_markdown"]
@@ -114,8 +114,8 @@ class _View:
         return [r for r in self.rows if r.name in names]
 
 
-def _view(profile: ProfileResult | Sequence[OpRow], device: str | None) -> _View:
-    if isinstance(profile, ProfileResult):
+def _view(profile: ProfileLike | Sequence[OpRow], device: str | None) -> _View:
+    if is_profile(profile):
         return _View(profile.rows, profile.shape_rows, profile.kernels, profile.sequence,
                      device or profile.device, profile.steps, profile.wall_ms, profile.analysis,
                      profile.page_faults)
@@ -462,7 +462,7 @@ _RULES: tuple[Callable[[_View, AdvisorSettings], Finding | None], ...] = (
     _matmul_alignment, _transposed_matmul, _shape_outliers, _tiny_operators, _page_faults)
 
 
-def advise(profile: ProfileResult | Sequence[OpRow], *, device: str | None = None,
+def advise(profile: ProfileLike | Sequence[OpRow], *, device: str | None = None,
            settings: AdvisorSettings = AdvisorSettings()) -> list[Finding]:
     """Findings for a profile, largest share of the step first.
 

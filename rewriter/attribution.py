@@ -191,9 +191,14 @@ def origin_from_frames(frames: Sequence[str], callee: str | None = None) -> Orig
 
     None when no frame is the user's code (a profile without ``with_stack``)."""
     found = user_frame(frames)
-    if found is None:  # the optimizer's own code: its annotation names it
-        step = next((f for f in frames if f.startswith(("Optimizer.step#", "Optimizer.zero_grad#"))), None)
-        return Origin(step, "", 0) if step else None
+    # The optimizer's own code: its annotation (``Optimizer.step#AdamW.step``) names it, also
+    # when user code lies further out (the training loop, or a console script's ``<module>``).
+    step = next((k for k, f in enumerate(frames)
+                 if f.startswith(("Optimizer.step#", "Optimizer.zero_grad#"))), None)
+    if step is not None and (found is None or step < found[0]):
+        return Origin(frames[step], "", 0)
+    if found is None:
+        return None
     i, m = found
     path, def_line, func = m["file"], int(m["line"]), m["func"]  # linecache finds relative paths
     for name in reversed(frames[:i]):  # the C function the frame called, nearest the frame

@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from rewriter import plan as plans
 from rewriter.executors import Executor, compiled_runner, executors_for, has_dropout
@@ -34,9 +34,8 @@ from rewriter.job import switched
 from rewriter.knowledge import entry_key
 from rewriter.report import Decision
 from rewriter.verify import compare_runs, dropout_disabled, tolerance_for
+from rewriter.run_view import RunView
 
-if TYPE_CHECKING:
-    from rewriter.pipeline import Run
 
 log = logging.getLogger("rewriter.progress")
 
@@ -50,7 +49,7 @@ class CompileGate:
     """The compile decision of one Run. Sets ``run.compiled`` (how the wrapper runs the
     compiled form, or None) and ``run.compile_plan`` (the plan's record of the decision)."""
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: RunView) -> None:
         self.run = run
 
     # --- deciding ------------------------------------------------------------------------------

@@ -27,12 +27,10 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from rewriter.gate import GateSettings, Measurement, figure, measure
+from rewriter.run_view import RunView
 
-if TYPE_CHECKING:
-    from rewriter.pipeline import Run
 
 
 @dataclass
@@ -61,7 +59,7 @@ class KeptUnit:
 class Confirmation:
     """The step check of one Run; :meth:`run` returns True when the optimized model runs."""
 
-    def __init__(self, owner: "Run") -> None:
+    def __init__(self, owner: RunView) -> None:
         self.owner = owner
         self.reverted: list[str] = []
 
@@ -134,7 +132,7 @@ def _confirm(self: Confirmation) -> bool:
     return True
 
 
-def _known(r: "Run", key: str | None) -> tuple[Measurement, str] | None:
+def _known(r: RunView, key: str | None) -> tuple[Measurement, str] | None:
     """The step check of exactly this composed step from the knowledge base: its samples, and
     when they were measured. Only a check that found no regression is stored (one that led to
     an ablation is measured again: reverting needs today's figures)."""
@@ -164,14 +162,14 @@ def _measure_slower(self: Confirmation) -> tuple[Measurement, bool, Measurement 
     return again, False, m
 
 
-def _slower(m: Measurement, r: "Run") -> bool:
+def _slower(m: Measurement, r: RunView) -> bool:
     """Measurably slower: on firm pairs, clear of the noise, and by more than the margin."""
     g = r.settings.gate
     return (m.pairs >= firm_pairs(g) and not m.busy and m.speedup < _floor(r)
             and m.speedup + g.noise_widths * m.noise < 1.0)
 
 
-def _floor(r: "Run") -> float:
+def _floor(r: RunView) -> float:
     """Below this the composed step counts as slower. objective="memory" accepted rewrites up
     to memory_slowdown slower: only beyond that hurts."""
     g = r.settings.gate
@@ -279,7 +277,7 @@ def _revert(self: Confirmation, unit: KeptUnit) -> None:
     _mark_reverted(r, unit.pass_name, unit.signature, "reverted by the step check (ablation)")
 
 
-def _mark_reverted(r: "Run", pass_name: str, signature: str | None, why: str) -> None:
+def _mark_reverted(r: RunView, pass_name: str, signature: str | None, why: str) -> None:
     for d in r.report.decisions:
         if d.pass_name != pass_name or not d.kept:
             continue

@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from rewriter.advisor import advise, findings_to_markdown
 from rewriter.attribution import is_python_frame
 from rewriter.backends import Backend, get_backend, import_torch_npu
 from rewriter.op_analysis import OpAnalysis, analyze
@@ -73,6 +74,7 @@ from rewriter.opcalls import (
     read_csv,
 )
 from rewriter.peaks import Peaks, resolve_peaks
+from rewriter.profile_rows import KernelRow, OpRow, Signature
 from rewriter.roofline import describe_origins, plot_roofline
 
 log = logging.getLogger(__name__)
@@ -83,49 +85,10 @@ __all__ = [
     "PeriodicProfiler", "rows_from_key_averages", "top_level_ops", "kineto_quiet", "is_python_frame",
 ]
 
-Shape = tuple[int, ...]
-Signature = tuple[Shape, ...]  # the shapes of one call's inputs; () for a non-tensor input
 NPU_LEVELS = ("Level_none", "Level0", "Level1", "Level2")
 
 
 # --- tables ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class OpRow:
-    """One operator's line in a table, per profiled step.
-
-    ``self_ms``/``total_ms`` are device time where the profile recorded a device (CUDA, NPU),
-    else host (CPU) time; ``share`` is of the step's summed self time. ``input_shapes`` holds
-    up to three input-shape signatures of the operator, most expensive first.
-    """
-
-    name: str
-    calls: int
-    self_ms: float
-    total_ms: float
-    share: float  # of the step's summed self time
-    input_shapes: tuple[Signature, ...] = ()
-    origin: str = ""  # the model line(s) it came from (with_stack profiles)
-    roofline: str = ""  # "compute-bound, 35% of peak compute (...)", where it has a cost
-
-    def to_dict(self) -> dict:
-        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
-
-
-@dataclass(frozen=True)
-class KernelRow:
-    """An NPU kernel type from ``kernel_details.csv`` (§3.3), per profiled step."""
-
-    type: str
-    accelerator_core: str  # AI_CORE, AI_VECTOR_CORE, AI_CPU, MIX_AIC, ...
-    calls: int
-    duration_ms: float
-    input_dtypes: tuple[str, ...] = ()
-    input_shapes: str = ""
-
-    def to_dict(self) -> dict:
-        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
-
 
 @dataclass(frozen=True)
 class ProfileSettings:
@@ -223,10 +186,6 @@ class ProfileResult:
             if "roofline" not in self.files:
                 lines.append(f"- roofline chart: {self.analysis.chart_text()}")
         if advice:
-            from rewriter.advisor import (  # advisor reads this module
-                advise,
-                findings_to_markdown,
-            )
             lines += ["", findings_to_markdown(advise(self))]
         if any(r.name == "ProfilerStep*" for r in self.top(top_k)):
             lines.append("- note: ProfilerStep*'s self time is host time between operators "

@@ -288,7 +288,7 @@ def test_a_plan_made_on_another_machine_is_measured_again_and_says_why(tmp_path,
 
 def test_ranks_replay_rank_0s_plan_whatever_machine_they_are_on(tmp_path, attn, monkeypatch):
     # (optimize() under torch.distributed replays with strict_plan: a rank must run rank 0's graph)
-    from rewriter.pipeline import _plan_to_replay
+    from rewriter.run_plans import _plan_to_replay
     from rewriter.report import Report
     model, x = attn
     plan = _opt(model, (x,)).report.plan

@@ -53,6 +53,14 @@ def _shard(model):
     return model
 
 
+def _join(rank, port):
+    """This process as one rank of the gloo group, one thread (two ranks share two cores)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)  # the same model and example inputs on every rank
+
+
 def _train(run, model, rank):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     data = torch.Generator().manual_seed(1000 + rank)  # different data per rank
@@ -70,11 +78,8 @@ def _optimize_then_shard(rank: int, port: int, out_dir: str) -> None:
     import rewriter
     from tests.controlled import QUICK, ControlledClock
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    _join(rank, port)
     try:
-        torch.manual_seed(0)
         model = _stack().train()
         eager = copy.deepcopy(model)
         clock = ControlledClock({"fuse_attention": 0.5})
@@ -104,11 +109,8 @@ def _optimize_then_shard(rank: int, port: int, out_dir: str) -> None:
 def _shard_then_optimize(rank: int, port: int, out_dir: str) -> None:
     import rewriter
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    _join(rank, port)
     try:
-        torch.manual_seed(0)
         model = _shard(_stack().train())
         try:
             rewriter.optimize(model, (torch.randn(2, 16, 32),), loss_fn=lambda out: out.pow(2).mean(),

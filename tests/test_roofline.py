@@ -117,6 +117,19 @@ def test_an_operator_spelled_as_python_syntax_is_found_by_its_symbol(tmp_path):
     assert origin_from_frames(["torch/nn/functional.py(10): linear"]) is None  # no user frame
 
 
+def test_the_optimizer_s_operators_name_its_step_not_the_script_that_called_it(tmp_path):
+    # torch.optim's frames are library code; the next user frame out is the training loop or a
+    # console script's <module> line, which did not run these operators: the step does.
+    script = tmp_path / "rewriter"
+    script.write_text("import sys\n" * 7 + "sys.exit(main())\n")
+    frames = ("aten::add_", "torch/optim/adamw.py(350): _single_tensor_adamw",
+              "torch/optim/adamw.py(200): step", "Optimizer.step#AdamW.step", f"{script}(8): <module>")
+    assert origin_from_frames(frames).function == "Optimizer.step#AdamW.step"
+    assert origin_from_frames(frames[:-1]).function == "Optimizer.step#AdamW.step"
+    # an operator the script's own line ran is still that line's
+    assert origin_from_frames(("aten::add_", f"{script}(8): <module>")).file == str(script)
+
+
 class Block(nn.Module):
     def __init__(self, hidden=24):
         super().__init__()

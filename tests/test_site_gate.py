@@ -53,12 +53,13 @@ def test_identical_sites_are_one_signature_measured_once(blocks):
 def test_a_deep_stack_of_identical_sites_verifies_a_sample_then_the_whole_model(monkeypatch):
     # Verifying costs the same at any depth: first, middle and last of ten identical sites
     # against float64; the composed model is then verified whole once.
+    import rewriter.decide_regions as decide_regions
     import rewriter.pipeline as pipeline
     torch.manual_seed(0)
     model, x = Blocks(n=10).eval(), torch.randn(8, 16)
     checked, whole = [], []
-    real_region, real_whole = pipeline.verify_region, pipeline.Run._verify_candidate
-    monkeypatch.setattr(pipeline, "verify_region", lambda r, *a, **k: checked.append(r.label) or real_region(r, *a, **k))
+    real_region, real_whole = decide_regions.verify_region, pipeline.Run._verify_candidate
+    monkeypatch.setattr(decide_regions, "verify_region", lambda r, *a, **k: checked.append(r.label) or real_region(r, *a, **k))
     monkeypatch.setattr(pipeline.Run, "_verify_candidate",
                         lambda self, composed=False: whole.append(composed) or real_whole(self, composed))
     fast = _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 0.5}))
@@ -107,10 +108,10 @@ def test_a_cached_signature_is_replayed_without_measuring(tmp_path, blocks):
 
 
 def test_figures_timed_an_older_way_are_measured_again_not_replayed(tmp_path, blocks, monkeypatch):
-    import rewriter.pipeline as pipeline
+    import rewriter.decide_regions as decide_regions
     model, x = blocks
     kb = tmp_path / "kb.json"
-    monkeypatch.setattr(pipeline, "REGION_TIMING", "1")
+    monkeypatch.setattr(decide_regions, "REGION_TIMING", "1")
     old = _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 2.0}), knowledge_base=kb)
     assert _decision(old, "a").regions[0]["source"] == "measured"
     replayed = _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 0.5}), knowledge_base=kb)
@@ -135,16 +136,17 @@ def test_a_rejection_in_the_knowledge_base_is_neither_recorded_nor_verified(tmp_
                                                                              monkeypatch):
     # Replaying a rejection decides nothing new: the run records no boundary values and verifies
     # no region for it. A kept signature is still verified on this model's values.
+    import rewriter.decide_regions as decide_regions
     import rewriter.pipeline as pipeline
     model, x = blocks
     kb = tmp_path / "kb.json"
     _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 2.0}), knowledge_base=kb)
     _opt(model, (x,), [RewriteRelu("b")], ControlledClock({"b": 0.5}), knowledge_base=kb)
     recorded, verified = [], []
-    real_record, real_region = pipeline.Run._record, pipeline.verify_region
+    real_record, real_region = pipeline.Run._record, decide_regions.verify_region
     monkeypatch.setattr(pipeline.Run, "_record",
                         lambda self, regions: recorded.append(len(regions)) or real_record(self, regions))
-    monkeypatch.setattr(pipeline, "verify_region",
+    monkeypatch.setattr(decide_regions, "verify_region",
                         lambda r, *a, **k: verified.append(r.pass_name) or real_region(r, *a, **k))
     rejected = _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 0.5}), knowledge_base=kb)
     row = _decision(rejected, "a").regions[0]
