@@ -11,7 +11,9 @@ knowledge base, Dynamo reset before each run, as a new process), at each depth:
   graphs captured, the block graphs, the kept passes;
 - the floor of the fixed whole-model runs any measuring optimize() makes (the reference, the
   composed model's verification, the step check's fewest pairs), from one eager step;
-- torch.compile's (Inductor's) first training step, with a cold Inductor cache of its own.
+- torch.compile's (Inductor's) first training step, with a cold Inductor cache of its own; at
+  the deepest depth also optimize(compile=True) (each block graph compiled once), its first
+  compiled step, and both compiled steps timed side by side.
 
 Then activation checkpointing (``model.gradient_checkpointing_enable()``) at 4 layers: the
 sites each pass finds and whether it is kept, with and without (``use_cache=False`` both ways,
@@ -21,13 +23,14 @@ as transformers sets it under checkpointing: the same model). Writes ``REGIONAL.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -35,7 +38,6 @@ import rewriter
 from benchmarks.configs import make_step, plain_optimizer
 from benchmarks.decisions import FEWEST_WHOLE_STEPS, _case
 from benchmarks.measure import isa_text, machine_info
-from benchmarks.models import call
 
 MODEL = "llama"
 
@@ -86,26 +88,63 @@ def eager_step_s(layers: int) -> float:
     return statistics.median(times)
 
 
-def compile_first_step_s(layers: int) -> float:
-    """torch.compile (Inductor) of the model, first training step, with an Inductor cache of its
-    own (cold), as a user's first compiled step."""
-    torch._dynamo.reset()
+@contextlib.contextmanager
+def cold_inductor_cache() -> Iterator[None]:
+    """An Inductor cache of its own (empty), as on a user's first compile."""
     old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         try:
-            case = _case(MODEL, layers)
-            step = make_step(torch.compile(case.model), case.inputs,
-                             optimizer=plain_optimizer(case.model, True), loss_fn=case.loss_fn)
-            started = time.perf_counter()
-            step()
-            return time.perf_counter() - started
+            yield
         finally:
-            torch._dynamo.reset()
             if old is None:
                 os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
             else:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+def compile_first_step(layers: int) -> tuple[float, Callable[[], Any]]:
+    """torch.compile (Inductor) of the whole model: its first training step with a cold cache,
+    in seconds, and the compiled step."""
+    torch._dynamo.reset()
+    with cold_inductor_cache():
+        case = _case(MODEL, layers)
+        step = make_step(torch.compile(case.model), case.inputs,
+                         optimizer=plain_optimizer(case.model, True), loss_fn=case.loss_fn)
+        started = time.perf_counter()
+        step()
+        return time.perf_counter() - started, step
+
+
+def optimize_compiled(layers: int) -> tuple[dict[str, Any], Callable[[], Any]]:
+    """optimize(compile=True) (regional: each block graph compiled once for all its instances),
+    cold Inductor cache: its seconds, the compile decision and its first compiled step, and the
+    step it returns."""
+    with cold_inductor_cache():
+        case = _case(MODEL, layers)
+        opt = plain_optimizer(case.model, True)
+        started = time.perf_counter()
+        fast, opt = rewriter.optimize(case.model, case.inputs, optimizer=opt, loss_fn=case.loss_fn,
+                                      compile=True, knowledge_base=False, profile=False,
+                                      progress=False)
+        seconds = time.perf_counter() - started
+    d = next((d for d in fast.report.decisions if d.pass_name == "compile"), None)
+    row = {"seconds": round(seconds, 2), "kept": fast.report.kept_passes,
+           "compile_status": d.status if d else "not tried",
+           "compile_reason": d.reason if d else "",
+           "first_compiled_step_s": (d.measurement or {}).get("compile_seconds") if d else None}
+    return row, make_step(fast, case.inputs, optimizer=opt, loss_fn=case.loss_fn)
+
+
+def side_by_side_ms(a: Callable[[], Any], b: Callable[[], Any], pairs: int = 5) -> tuple[float, float]:
+    """Median step times of ``a`` and ``b``, interleaved (one process, the same load on both)."""
+    times: dict[str, list[float]] = {"a": [], "b": []}
+    for _ in range(pairs):
+        for k, step in (("a", a), ("b", b)):
+            started = time.perf_counter()
+            step()
+            times[k].append(time.perf_counter() - started)
+    return 1e3 * statistics.median(times["a"]), 1e3 * statistics.median(times["b"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -113,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--depths", nargs="+", type=int, default=[4, 16])
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also time torch.compile's first step at the deepest depth")
+    p.add_argument("--optimize-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also optimize(compile=True) at the deepest depth, beside torch.compile")
     p.add_argument("--whole", action=argparse.BooleanOptionalAction, default=True,
                    help="also run regional=False at each depth")
     p.add_argument("--out", required=True)
@@ -131,7 +172,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         row["floor_s"] = round(FEWEST_WHOLE_STEPS * row["eager_step_s"], 2)
         if args.compile and layers == max(args.depths):
             _say(f"{layers} layers: torch.compile first step")
-            row["compile_first_step_s"] = round(compile_first_step_s(layers), 2)
+            first, compiled_step = compile_first_step(layers)
+            row["compile_first_step_s"] = round(first, 2)
+            if args.optimize_compile:
+                _say(f"{layers} layers: optimize(compile=True)")
+                row["optimize_compile"], ours = optimize_compiled(layers)
+                mine, theirs = side_by_side_ms(ours, compiled_step)
+                row["optimize_compile"].update(step_ms=round(mine, 1), torch_compile_step_ms=round(theirs, 1))
+            torch._dynamo.reset()
         result["depth"].append(row)
     _say("checkpointing")
     shallow = min(args.depths)
@@ -173,6 +221,14 @@ def to_markdown(result: dict[str, Any]) -> str:
             c = depth[hi]["compile_first_step_s"]
             lines.append(f"optimize() at {hi} layers / torch.compile's first step at {hi} layers: "
                          f"{b} / {c} = {b / c:.2f}.")
+        oc = depth[hi].get("optimize_compile")
+        if oc:
+            first = oc.get("first_compiled_step_s")
+            lines += ["", f"optimize(compile=True) at {hi} layers: {oc['seconds']} s in all; compile "
+                      f"{oc['compile_status']}, its first compiled step {first} s"
+                      + (f" ({first / depth[hi]['compile_first_step_s']:.2f} of torch.compile's)" if first else "")
+                      + f"; step {oc['step_ms']} ms against torch.compile's {oc['torch_compile_step_ms']} ms "
+                      "(medians of 5 interleaved pairs)."]
     ck = result.get("checkpointing") or {}
     if ck:
         lines += ["", "## Activation checkpointing (transformers' switch, non-reentrant)", "",

@@ -234,20 +234,20 @@ def compiled_runner(model: nn.Module, cap: Capture | None, backend: CompilerBack
 
 
 class RegionalCompiled:
-    """Regional compile: each block graph compiled once for all its instances, the model around
-    the blocks captured again with the backend after our own (as a whole-model capture is).
-    While it runs, the block graphs run compiled; once it is kept, they do so at every call."""
+    """Regional compile: each block graph compiled once for all its instances (at its first
+    compiled run), the graphs around the blocks left as they are (eager, rewritten): those are
+    small (embeddings, the mask, the head and the loss), and each would cost a compile of its
+    own. While it runs, the block graphs run compiled; once it is kept, they do so at every call.
+    """
 
     def __init__(self, model: nn.Module, cap: RegionalCapture, backend: CompilerBackend,
                  on_new_graph: Callable[[GraphSlot], None]) -> None:
         self.cap = cap
         cap.compile_blocks(backend)
-        self.outer = DynamoCapture(model, "compiled candidate", then_compile=backend)
-        self.outer.on_new_graph = on_new_graph
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self.cap.engaged_in_thread(), switched(self.cap.switch, use_compiled=True):
-            return self.outer(*args, **kwargs)
+        with switched(self.cap.switch, use_compiled=True):
+            return self.cap(*args, **kwargs)
 
     def keep(self) -> None:
         """From now on the installed blocks run their compiled graphs, whoever calls them."""

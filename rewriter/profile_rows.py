@@ -64,9 +64,20 @@ class ProfileLike(Protocol):
     page_faults: int | None
 
 
+def is_operator(name: str) -> bool:
+    """An operator row (``aten::``/``npu::``), not an annotation such as ``ProfilerStep*``."""
+    return name.startswith(("aten::", "npu::"))
+
+
+def table_cell(text: str) -> str:
+    """``text`` as one cell of a markdown table."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
 def is_profile(x: Any) -> bool:
     """A whole profile (not a bare list of rows)."""
     return all(hasattr(x, a) for a in ("rows", "shape_rows", "kernels", "sequence", "device"))
 
 
-__all__ = ["OpRow", "KernelRow", "ProfileLike", "Shape", "Signature", "is_profile"]
+__all__ = ["OpRow", "KernelRow", "ProfileLike", "Shape", "Signature", "is_profile", "is_operator",
+           "table_cell"]
