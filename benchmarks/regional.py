@@ -11,9 +11,9 @@ knowledge base, Dynamo reset before each run, as a new process), at each depth:
   graphs captured, the block graphs, the kept passes;
 - the floor of the fixed whole-model runs any measuring optimize() makes (the reference, the
   composed model's verification, the step check's fewest pairs), from one eager step;
-- torch.compile's (Inductor's) first training step, with a cold Inductor cache of its own; at
-  the deepest depth also optimize(compile=True) (each block graph compiled once), its first
-  compiled step, and both compiled steps timed side by side.
+- torch.compile's (Inductor's) first training step, with a cold Inductor cache of its own, in
+  a fresh process; at the deepest depth also optimize(compile=True) (each block graph compiled
+  once), likewise, and then both compiled steps timed side by side in one process.
 
 Then activation checkpointing (``model.gradient_checkpointing_enable()``) at 4 layers: the
 sites each pass finds and whether it is kept, with and without (``use_cache=False`` both ways,
@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -136,6 +137,24 @@ def optimize_compiled(layers: int) -> tuple[dict[str, Any], Callable[[], Any]]:
     return row, make_step(fast, case.inputs, optimizer=opt, loss_fn=case.loss_fn)
 
 
+def compile_first_step_s(layers: int) -> float:
+    return round(compile_first_step(layers)[0], 2)
+
+
+def optimize_compiled_row(layers: int) -> dict[str, Any]:
+    return optimize_compiled(layers)[0]
+
+
+def in_fresh_process(name: str, layers: int) -> Any:
+    """``name(layers)`` of this module in a process of its own: Inductor keeps the kernels it
+    built in memory, so a compile after another in one process would reuse them (not cold)."""
+    code = (f"import json, benchmarks.regional as r; print('RESULT ' + json.dumps(r.{name}({layers})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+    line = next(x for x in reversed(out.splitlines()) if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
 def side_by_side_ms(a: Callable[[], Any], b: Callable[[], Any], pairs: int = 5) -> tuple[float, float]:
     """Median step times of ``a`` and ``b``, interleaved (one process, the same load on both)."""
     times: dict[str, list[float]] = {"a": [], "b": []}
@@ -171,14 +190,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         row["eager_step_s"] = round(eager_step_s(layers), 3)
         row["floor_s"] = round(FEWEST_WHOLE_STEPS * row["eager_step_s"], 2)
         if args.compile and layers == max(args.depths):
-            _say(f"{layers} layers: torch.compile first step")
-            first, compiled_step = compile_first_step(layers)
-            row["compile_first_step_s"] = round(first, 2)
+            _say(f"{layers} layers: torch.compile first step (a fresh process, cold caches)")
+            row["compile_first_step_s"] = in_fresh_process("compile_first_step_s", layers)
             if args.optimize_compile:
-                _say(f"{layers} layers: optimize(compile=True)")
-                row["optimize_compile"], ours = optimize_compiled(layers)
+                _say(f"{layers} layers: optimize(compile=True) (a fresh process, cold caches)")
+                row["optimize_compile"] = in_fresh_process("optimize_compiled_row", layers)
+                _say(f"{layers} layers: both compiled steps, side by side in this process")
+                _, compiled_step = compile_first_step(layers)
+                here, ours = optimize_compiled(layers)
                 mine, theirs = side_by_side_ms(ours, compiled_step)
-                row["optimize_compile"].update(step_ms=round(mine, 1), torch_compile_step_ms=round(theirs, 1))
+                row["optimize_compile"].update(step_ms=round(mine, 1), torch_compile_step_ms=round(theirs, 1),
+                                               compile_status_side_by_side=here["compile_status"])
             torch._dynamo.reset()
         result["depth"].append(row)
     _say("checkpointing")
@@ -227,8 +249,9 @@ def to_markdown(result: dict[str, Any]) -> str:
             lines += ["", f"optimize(compile=True) at {hi} layers: {oc['seconds']} s in all; compile "
                       f"{oc['compile_status']}, its first compiled step {first} s"
                       + (f" ({first / depth[hi]['compile_first_step_s']:.2f} of torch.compile's)" if first else "")
-                      + f"; step {oc['step_ms']} ms against torch.compile's {oc['torch_compile_step_ms']} ms "
-                      "(medians of 5 interleaved pairs)."]
+                      + f"; both cold, each in a process of its own. Step {oc['step_ms']} ms against "
+                      f"torch.compile's {oc['torch_compile_step_ms']} ms (medians of 5 interleaved pairs, one "
+                      f"process; its compile {oc.get('compile_status_side_by_side', '?')} there)."]
     ck = result.get("checkpointing") or {}
     if ck:
         lines += ["", "## Activation checkpointing (transformers' switch, non-reentrant)", "",
