@@ -354,3 +354,32 @@ def test_a_whole_model_capture_of_another_instance_traces_through_an_installed_c
     assert len(cap.slots) == 1
     assert sum(n.target is torch.relu for n in cap.slots[0].original.graph.nodes) == 2
     assert _calls(lambda: fast(x)) == 2
+
+
+def test_a_new_input_shape_is_a_new_block_graph_that_gets_the_kept_rewrite():
+    torch.manual_seed(0)
+    model, x = Stack(n=3).eval(), torch.randn(8, 16)
+    fast = _opt(model, (x,))
+    other = torch.randn(5, 16)  # a shape optimize() never saw: captured again, the rewrite replayed
+    assert _calls(lambda: torch.testing.assert_close(fast(other), _plain(model, other))) == 3
+    assert len([s for s in fast._outcome.capture.slots if s.block == "Block"]) >= 2  # a graph of its own
+
+
+def test_regional_false_and_the_fx_front_end_capture_the_whole_model_and_say_so():
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    for kw in ({"regional": False}, {"regional": "auto", "front_end": "fx"}):
+        fast = _opt(Stack(n=2).eval(), (x,), **kw)
+        assert fast.report.front_end == "fx" and not fast.report.blocks
+        assert _calls(lambda: fast(x)) == 2  # the rewritten whole graph
+    plain = _opt(Block(16).eval(), (x,), regional=True)  # no repeated block: whole model, noted
+    assert plain.report.front_end == "fx"
+    assert any("no repeated block" in n for n in plain.report.notes)
+
+
+def _plain(model, x):
+    """The model's own forward, whatever is installed: each block's original forward."""
+    with torch.no_grad():
+        for b in model.blocks:
+            x = x + torch.relu(b.fc(x))
+        return model.head(x)
