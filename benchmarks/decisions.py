@@ -76,16 +76,21 @@ def _case(name: str, layers: int | None) -> Any:
     return models.BUILDERS[name]("scaled", True)
 
 
+def timed_optimize(case: Any, **options: Any) -> tuple[Any, Any, float]:
+    """optimize() of a training case as a user calls it (a plain AdamW, ``profile=False``,
+    ``progress=False``, plus ``options``): the optimized model, its optimizer, the seconds."""
+    opt = plain_optimizer(case.model, True)
+    started = time.perf_counter()
+    fast, opt = rewriter.optimize(case.model, case.inputs, optimizer=opt, loss_fn=case.loss_fn,
+                                  profile=False, progress=False, **options)
+    return fast, opt, time.perf_counter() - started
+
+
 def one_run(name: str, dtype: torch.dtype | None, *, layers: int | None = None,
             knowledge_base: Any = False) -> dict[str, Any]:
     torch._dynamo.reset()  # each run captures afresh, as a new process would
     case = _case(name, layers)
-    opt = plain_optimizer(case.model, True)
-    started = time.perf_counter()
-    fast, _ = rewriter.optimize(case.model, case.inputs, optimizer=opt, loss_fn=case.loss_fn,
-                                dtype=dtype, knowledge_base=knowledge_base, profile=False,
-                                progress=False)
-    seconds = time.perf_counter() - started
+    fast, _, seconds = timed_optimize(case, dtype=dtype, knowledge_base=knowledge_base)
     r = fast.report
     return {"seconds": round(seconds, 2), "phases": r.phases, "decisions": decisions_of(r),
             "reasons": {d.pass_name: d.reason for d in r.decisions

@@ -35,9 +35,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-import rewriter
 from benchmarks.configs import make_step, plain_optimizer
-from benchmarks.decisions import FEWEST_WHOLE_STEPS, _case
+from benchmarks.decisions import FEWEST_WHOLE_STEPS, _case, timed_optimize
 from benchmarks.measure import isa_text, machine_info
 
 MODEL = "llama"
@@ -56,12 +55,7 @@ def optimize_run(layers: int, regional: Any, checkpointing: bool | None = None) 
         case.model.config.use_cache = False
     if checkpointing:
         case.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = plain_optimizer(case.model, True)
-    started = time.perf_counter()
-    fast, _ = rewriter.optimize(case.model, case.inputs, optimizer=opt, loss_fn=case.loss_fn,
-                                knowledge_base=False, profile=False, progress=False,
-                                regional=regional)
-    seconds = time.perf_counter() - started
+    fast, _, seconds = timed_optimize(case, knowledge_base=False, regional=regional)
     r = fast.report
     blocks = r.blocks or []
     out = {"layers": layers, "regional": r.front_end == "regional", "seconds": round(seconds, 2),
@@ -123,12 +117,7 @@ def optimize_compiled(layers: int) -> tuple[dict[str, Any], Callable[[], Any]]:
     step it returns."""
     with cold_inductor_cache():
         case = _case(MODEL, layers)
-        opt = plain_optimizer(case.model, True)
-        started = time.perf_counter()
-        fast, opt = rewriter.optimize(case.model, case.inputs, optimizer=opt, loss_fn=case.loss_fn,
-                                      compile=True, knowledge_base=False, profile=False,
-                                      progress=False)
-        seconds = time.perf_counter() - started
+        fast, opt, seconds = timed_optimize(case, compile=True, knowledge_base=False)
     d = next((d for d in fast.report.decisions if d.pass_name == "compile"), None)
     row = {"seconds": round(seconds, 2), "kept": fast.report.kept_passes,
            "compile_status": d.status if d else "not tried",

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import weakref
 import logging
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -67,7 +67,7 @@ class GraphSlot:
         self.recorder: Any = None
         self.switch = switch
         self.name = name
-        self.calls = 1  # runs per model call (regional capture: as counted, see count_calls)
+        self.calls = 1  # runs per model call (regional capture: as counted, see counting_calls)
         self.block: str | None = None  # the block class whose forward this graph is
         self.runs = 0
         # regional compile: the backend that compiles kept_run at its first run with

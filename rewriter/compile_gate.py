@@ -33,9 +33,8 @@ from rewriter.ir import structure_signature
 from rewriter.job import switched
 from rewriter.knowledge import entry_key
 from rewriter.report import Decision
-from rewriter.verify import compare_runs, dropout_disabled, tolerance_for
 from rewriter.run_view import RunView
-
+from rewriter.verify import compare_runs, dropout_disabled, tolerance_for
 
 log = logging.getLogger("rewriter.progress")
 

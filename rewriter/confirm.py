@@ -32,7 +32,6 @@ from rewriter.gate import GateSettings, Measurement, figure, measure
 from rewriter.run_view import RunView
 
 
-
 @dataclass
 class KeptUnit:
     """One kept decision: a region signature of a pass, a step-level pass, or the optimizer."""

@@ -38,10 +38,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rewriter.capture import Capture, DynamoCapture, FxCapture, GraphSlot
-from rewriter.regional import RegionalCapture
-from rewriter.npu_capabilities import torch_npu_release
-from rewriter.verify import dropout_disabled
 from rewriter.job import switched
+from rewriter.npu_capabilities import torch_npu_release
+from rewriter.regional import RegionalCapture
+from rewriter.verify import dropout_disabled
 
 CompilerBackend = Callable[..., Any]  # torch.compile's backend protocol: (gm, example_inputs) -> callable
 
@@ -223,7 +223,7 @@ def compiled_runner(model: nn.Module, cap: Capture | None, backend: CompilerBack
     if cap is None:
         return inspect.unwrap(torch.compile)(model, backend=backend)
     if isinstance(cap, RegionalCapture):
-        return RegionalCompiled(model, cap, backend, on_new_graph)
+        return RegionalCompiled(cap, backend)
     if isinstance(cap, DynamoCapture):
         runner = DynamoCapture(model, "compiled candidate", then_compile=backend)
         runner.on_new_graph = on_new_graph
@@ -240,8 +240,7 @@ class RegionalCompiled:
     own. While it runs, the block graphs run compiled; once it is kept, they do so at every call.
     """
 
-    def __init__(self, model: nn.Module, cap: RegionalCapture, backend: CompilerBackend,
-                 on_new_graph: Callable[[GraphSlot], None]) -> None:
+    def __init__(self, cap: RegionalCapture, backend: CompilerBackend) -> None:
         self.cap = cap
         cap.compile_blocks(backend)
 

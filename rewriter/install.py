@@ -13,9 +13,10 @@ other instance of the class (a copy, another model) runs the class's forward as 
     inst.engaged = True        # registered instances now call runner
     inst.remove()              # the class's forward is exactly what it was
 
-The installed forward, and the instance's call around it, are hidden from Dynamo
-(``torch._dynamo.disable``): a capture of the model around the blocks sees each block as a call,
-not as code to trace again, and the block's hooks run as written.
+Inside a Dynamo trace both dispatchers are transparent (another model of the class traces as
+before), except that a registered instance's whole call runs eagerly (``torch._dynamo.disable``):
+a capture of the model around the blocks sees each block as a call, not as code to trace again,
+and the block's hooks run as written.
 """
 from __future__ import annotations
 
@@ -48,8 +49,7 @@ class _Patch:
         self.cls = cls
         # id(instance) -> (weakref to it, weakref to its installation, that installation's token)
         self.owners: dict[int, tuple[weakref.ref, weakref.ref, object]] = {}
-        current = cls.__dict__.get("forward")
-        self.had_own = current is not None
+        self.had_own = "forward" in cls.__dict__
         fn = cls.forward
         self.cell = _checkpoint_cell(fn)
         self.original: Callable[..., Any] = self.cell.cell_contents if self.cell else fn
@@ -64,7 +64,6 @@ class _Patch:
 
         forward.__wrapped__ = self.original  # type: ignore[attr-defined]
         forward.__doc__ = getattr(self.original, "__doc__", None)
-        self.installed = forward
         if self.cell is not None:
             self.cell.cell_contents = forward
         else:
@@ -146,7 +145,6 @@ class Installation:
         self.runner = runner
         self.engaged = False
         self._local = threading.local()
-        self._refs = [weakref.ref(m) for m in instances]
         _purge()
         with _LOCK:
             patch = _PATCHES.get(cls)
@@ -158,14 +156,6 @@ class Installation:
                 m.__dict__[FLAG] = True
         self._patch = patch
         self._release = weakref.finalize(self, _release, patch, token)
-
-    @property
-    def instances(self) -> list[nn.Module]:
-        return [m for m in (r() for r in self._refs) if m is not None]
-
-    @property
-    def original_forward(self) -> Callable[..., Any]:
-        return self._patch.original
 
     def runs_now(self) -> bool:
         """Whether a registered instance runs the runner in this call. A forward called from

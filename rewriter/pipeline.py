@@ -35,10 +35,11 @@ import torch
 from rewriter import amp, memory, optimizers
 from rewriter import plan as plans
 from rewriter.advisor import advise
-from rewriter.compile_gate import CompileGate
 from rewriter.capture import Capture, DynamoCapture, GraphSlot
-from rewriter.regional import RegionalCapture
+from rewriter.compile_gate import CompileGate
 from rewriter.confirm import Confirmation, KeptUnit, usual_pairs
+from rewriter.decide_regions import RegionDecisions, _saved
+from rewriter.decide_step import StepDecisions
 from rewriter.errors import CaptureError
 from rewriter.gate import Clock, GateSettings, Step, device_clock
 from rewriter.job import Job, switched
@@ -48,13 +49,11 @@ from rewriter.optimizer_gate import gate_optimizer
 from rewriter.pass_api import Pass, PassContext
 from rewriter.profiling import ProfileSettings, compare, profile_run
 from rewriter.reference import Reference
+from rewriter.regional import RegionalCapture
 from rewriter.report import Decision, Report
-from rewriter.state import preserved_state
-
-from rewriter.decide_regions import RegionDecisions, _saved
-from rewriter.decide_step import StepDecisions
 from rewriter.run_capture import CaptureStage
 from rewriter.run_plans import PlanReplay, replay_on_slot
+from rewriter.state import preserved_state
 
 log = logging.getLogger("rewriter.progress")
 

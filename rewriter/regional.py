@@ -48,10 +48,8 @@ class RegionalCapture(DynamoCapture):
         self.blocks = blocks
         self.block_compiler: Callable[..., Any] | None = None  # regional compile, see compile_blocks
         self.installations = []
-        self._model_tensors = {id(t) for t in list(model.parameters()) + list(model.buffers())}
         self._instance_tensors = {b.name: [{**dict(m.named_parameters()), **dict(m.named_buffers())}
                                            for _, m in b.instances] for b in blocks}
-        self.slots = []
         plain_compile = inspect.unwrap(torch.compile)
         for b in blocks:
             runner = _BlockRunner(self, b, plain_compile)

@@ -11,9 +11,9 @@ import torch
 
 from rewriter.blocks import find_blocks
 from rewriter.capture import Capture, DynamoCapture, FxCapture, capture
-from rewriter.regional import RegionalCapture
 from rewriter.errors import CaptureError
 from rewriter.job import switched
+from rewriter.regional import RegionalCapture
 from rewriter.verify import compare_runs, tolerance_for
 
 log = logging.getLogger("rewriter.progress")

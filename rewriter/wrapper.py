@@ -23,11 +23,11 @@ from torch.utils.hooks import RemovableHandle
 
 from rewriter import amp
 from rewriter.capture import DynamoCapture, FxCapture
-from rewriter.regional import RegionalCapture
 from rewriter.executors import compiled_runner
 from rewriter.install import hooks_of as _hooks_of
 from rewriter.install import restore as _restore
 from rewriter.pipeline import Outcome, replay_on_slot
+from rewriter.regional import RegionalCapture
 from rewriter.report import Report
 from rewriter.state import preserved_state
 
