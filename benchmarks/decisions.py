@@ -36,8 +36,8 @@ import rewriter
 from benchmarks.configs import make_step, plain_optimizer
 from benchmarks.measure import isa_text, machine_info
 from benchmarks.models import MODEL_NAMES, TRANSFORMER_SIZES, build_case, call
-from rewriter.confirm import fewest_pairs
-from rewriter.gate import GateSettings
+from rewriter.decide.confirm import fewest_pairs
+from rewriter.decide.gate import GateSettings
 from rewriter.pipeline import DEFAULT_TIME_BUDGET
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}

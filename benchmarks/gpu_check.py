@@ -6,7 +6,7 @@ On a CUDA machine it builds a small Llama (transformers, eager attention, random
 trains it with ``AdamW``, and runs ``optimize()`` twice: fp32 (``compile=False``), then
 ``dtype=torch.bfloat16, compile=True``. It checks what the CUDA path promises: the capture, the
 SDPA (flash) rewrite of the written-out attention, the fused AdamW, bf16, the gate timing with
-CUDA events (``rewriter.gate.EventClock``), and Inductor as a gated candidate. It prints one
+CUDA events (``rewriter.decide.gate.EventClock``), and Inductor as a gated candidate. It prints one
 Markdown table, one row per check (layout: :data:`COLUMNS`, see :func:`table`)::
 
     | check | result | figure | detail |
@@ -94,8 +94,8 @@ def run_checks() -> list[dict]:
     """Every check on this CUDA device, as table rows (a check that raises is a row too)."""
     from torch.utils._triton import has_triton
 
-    from rewriter.backends import get_backend
-    from rewriter.gate import EventClock, device_clock
+    from rewriter.decide.gate import EventClock, device_clock
+    from rewriter.devices.backends import get_backend
     rows: list[dict] = [{"check": "device", "result": torch.cuda.get_device_name(),
                          "figure": f"torch {torch.__version__}, triton {'yes' if has_triton() else 'no'}",
                          "detail": f"bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}"}]

@@ -1,11 +1,11 @@
 """What a row reports besides its name: side-by-side timing, peak memory, numerics, the machine.
 
-    m = side_by_side(eager_step, config_step, BENCH_GATE)   # rewriter.gate.measure, interleaved
+    m = side_by_side(eager_step, config_step, BENCH_GATE)   # rewriter.decide.gate.measure, interleaved
     m.speedup, m.noise, m.candidate_ms
     peak_memory_mb(config_step)     # torch.profiler memory events, one step
     relative_error(out, reference)  # max |out - ref| / max |ref|
 
-Timing is the gate's own loop (``rewriter.gate.measure``): eager and the configuration run
+Timing is the gate's own loop (``rewriter.decide.gate.measure``): eager and the configuration run
 interleaved (A B, B A, ...) after warm-up in this process, and the speedup is the median of
 the paired ratios, so drift in clock speed or machine load hits both alike.
 """
@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-from rewriter.backends import cpu_info
-from rewriter.gate import GateSettings, Measurement, Step, WallClock, measure
+from rewriter.decide.gate import GateSettings, Measurement, Step, WallClock, measure
+from rewriter.devices.backends import cpu_info
 
 # Default run: at least 10 pairs; stop once the speedup is clear of 1 by two noise widths or
 # 5 s of pairs have run (at most 30 pairs).
@@ -31,7 +31,7 @@ QUICK_GATE = GateSettings(warmup=1, warmup_seconds=0.0, max_warmup=1, min_pairs=
                           budget_seconds=0.5, outlier_factor=float("inf"))
 
 MEMORY_METHOD = ("peak of the bytes allocated during one step above those live when it began "
-                 "(rewriter.memory.peak_bytes: torch.profiler memory events on CPU, allocator statistics on CUDA/NPU): "
+                 "(rewriter.decide.memory.peak_bytes: torch.profiler memory events on CPU, allocator statistics on CUDA/NPU): "
                  "activations, gradients and workspace; not the weights or optimizer state")
 
 
@@ -58,10 +58,10 @@ def spread_ms(times: list[float]) -> float | None:
 
 def peak_memory_mb(step: Callable[[], Any], device: str = "cpu") -> float | None:
     """Peak MB allocated during one step (after one unmeasured warm-up step), as optimize()'s
-    memory objective measures it (rewriter.memory.peak_bytes: allocator statistics on
+    memory objective measures it (rewriter.decide.memory.peak_bytes: allocator statistics on
     CUDA/NPU, profiler memory events on CPU)."""
-    from rewriter.backends import get_backend
-    from rewriter.memory import mb, peak_bytes
+    from rewriter.decide.memory import mb, peak_bytes
+    from rewriter.devices.backends import get_backend
     step()
     return mb(peak_bytes(step, get_backend(device)))
 

@@ -117,7 +117,7 @@ def _method_lines(results: Results) -> list[str]:
         "its own optimizer.",
         f"- **speedup**: eager step time / configuration step time, the median of paired ratios, "
         f"eager and the configuration interleaved (A B, B A, ...) after warm-up, in this one "
-        f"process (`rewriter.gate.measure`; {gate.get('min_pairs')}-{gate.get('max_pairs')} pairs, "
+        f"process (`rewriter.decide.gate.measure`; {gate.get('min_pairs')}-{gate.get('max_pairs')} pairs, "
         f"stopping early once clear of 1 by two noise widths or after {gate.get('budget_seconds')} s). "
         "**±** is the noise: the standard error of that median. The eager row is eager against "
         "a second eager copy: its distance from 1.00 is the noise floor.",

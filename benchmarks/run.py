@@ -49,7 +49,7 @@ from benchmarks.measure import (
 )
 from benchmarks.models import MODEL_NAMES, build_case
 from benchmarks.results import Results, Row, write_outputs
-from rewriter.gate import GateSettings
+from rewriter.decide.gate import GateSettings
 
 MODES = {"train": ("train",), "infer": ("infer",), "both": ("train", "infer")}
 
@@ -89,7 +89,7 @@ def _split(values: list[str], known: Sequence[str], what: str, p: argparse.Argum
 def _knowledge_base_state() -> str:
     """Where optimize() keeps its decisions, and whether earlier runs left any: a row that
     replays them costs less than one that measures."""
-    from rewriter.knowledge import KnowledgeBase, default_path
+    from rewriter.decide.knowledge import KnowledgeBase, default_path
     path = default_path()
     if path is None:
         return "off (REWRITER_KNOWLEDGE_BASE)"

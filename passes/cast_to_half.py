@@ -1,8 +1,8 @@
 """cast_to_half: automatic mixed precision written into the graph (only with optimize(dtype=...)).
 
-Rewrites each operator on the half list (``rewriter.amp.HALF_OPS``: linear, matmul, bmm, conv,
+Rewrites each operator on the half list (``rewriter.devices.amp.HALF_OPS``: linear, matmul, bmm, conv,
 attention, ...) to take its floating inputs in the half dtype, and each operator on the fp32 list
-(``rewriter.amp.FLOAT_OPS``: softmax, norms, reductions, exp/log, losses) to take them in fp32::
+(``rewriter.devices.amp.FLOAT_OPS``: softmax, norms, reductions, exp/log, losses) to take them in fp32::
 
     y = F.linear(x, w, b)          ->  y = F.linear(x.to(bf16), w.to(bf16), b.to(bf16))
     p = F.softmax(s, -1)           ->  p = F.softmax(s.to(float32), -1)     (s was half)
@@ -11,10 +11,10 @@ Everything else runs in whatever its inputs are (type promotion, as autocast doe
 is cast at most once per dtype (``w.to(bf16)`` is shared by every user of ``w``), so the
 rewritten graph's code shows each cast exactly where it happens; a cast of a tensor that
 already has the dtype costs nothing at run time (``Tensor.to`` returns it). The lists are the user's to
-change (``rewriter.amp.register_half_function`` / ``register_float_function``).
+change (``rewriter.devices.amp.register_half_function`` / ``register_float_function``).
 Safe when: the graph's floating tensors are fp32 (a model already in half precision is left).
 Contract: reduced (half-precision GEMMs): only with ``optimize(dtype=torch.bfloat16 | float16)``,
-verified at that dtype's tolerance. fp16 training also gets dynamic loss scaling (rewriter.amp).
+verified at that dtype's tolerance. fp16 training also gets dynamic loss scaling (rewriter.devices.amp).
 Devices: cpu (bf16, where the CPU has AMX/AVX512-BF16), cuda, npu (fp16; bf16 where supported).
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from rewriter import amp
-from rewriter.ir import mark_new_node, tensor_info
+from rewriter.capture.ir import mark_new_node, tensor_info
+from rewriter.devices import amp
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 

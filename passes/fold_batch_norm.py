@@ -22,13 +22,13 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from rewriter.ir import hoist_reads, is_parameter_like
+from rewriter.capture.ir import hoist_reads, is_parameter_like
 from rewriter.pass_api import PassContext, register_pass
 from rewriter.rules import Match, Rule, RulePass
 
 
 def conv_batch_norm_pattern(x, w, b, stride, padding, dilation, groups, mean, var, bn_w, bn_b, momentum, eps):
-    # "conv" is one op for conv1d/2d/3d (rewriter.ir): the replacement calls the model's own
+    # "conv" is one op for conv1d/2d/3d (rewriter.capture.ir): the replacement calls the model's own
     y = F.conv2d(x, w, b, stride, padding, dilation, groups)
     return F.batch_norm(y, mean, var, bn_w, bn_b, False, momentum, eps)
 

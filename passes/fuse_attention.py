@@ -67,8 +67,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from rewriter.backends import AttentionSpec
-from rewriter.ir import (
+from rewriter.capture.ir import (
     CAST_OPS,
     arg,
     erase_if_unused,
@@ -81,6 +80,7 @@ from rewriter.ir import (
     static_tensor,
     tensor_info,
 )
+from rewriter.devices.backends import AttentionSpec
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 _VERY_NEGATIVE = -1e4

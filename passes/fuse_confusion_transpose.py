@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 
-from rewriter.ir import tensor_info
+from rewriter.capture.ir import tensor_info
 from rewriter.pass_api import PassContext, register_pass
 from rewriter.rules import Match, Rule, RulePass
 

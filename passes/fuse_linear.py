@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from rewriter.ir import arg, op_name, tensor_info
+from rewriter.capture.ir import arg, op_name, tensor_info
 from rewriter.pass_api import register_pass
 from rewriter.rules import Match, Rule, RulePass
 

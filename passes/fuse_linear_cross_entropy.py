@@ -36,7 +36,7 @@ lm_head output). Holding them is what this pass exists to avoid, so:
 Declined too: logits that reach the loss from another graph (a Dynamo graph break between the
 lm_head and the loss, such as a print or a data-dependent branch in a custom loss; transformers'
 ``logger.warning_once`` there, which GPT2LMHeadModel's ``loss_function`` calls when
-``loss_type`` is None, is no break: the capture lets Dynamo drop it, see rewriter.capture), a
+``loss_type`` is None, is no break: the capture lets Dynamo drop it, see rewriter.capture.front_ends), a
 class-weighted loss, ``reduction="none"``, logits whose flattening is not a plain
 ``view(-1, V)``/``reshape`` of the linear's output, unknown shapes.
 Contract: exact. Devices: cpu, cuda, npu.
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import arg, is_cast, is_op, mark_new_node, static_number, tensor_info
+from rewriter.capture.ir import arg, is_cast, is_op, mark_new_node, static_number, tensor_info
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 # --- the fused computation ----------------------------------------------------------------------

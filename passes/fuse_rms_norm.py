@@ -31,7 +31,7 @@ import operator
 
 import torch
 
-from rewriter.ir import is_cast, is_noop_cast, tensor_info
+from rewriter.capture.ir import is_cast, is_noop_cast, tensor_info
 from rewriter.pass_api import PassContext, register_pass
 from rewriter.rules import Match, Rule, RulePass, cast_to
 

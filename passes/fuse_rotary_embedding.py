@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from rewriter.ir import is_op, tensor_info
+from rewriter.capture.ir import is_op, tensor_info
 from rewriter.pass_api import PassContext, register_pass
 from rewriter.rules import Match, Rule, RulePass
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from rewriter.ir import hoist_reads, is_parameter_like, tensor_info
+from rewriter.capture.ir import hoist_reads, is_parameter_like, tensor_info
 from rewriter.pass_api import PassContext, register_pass
 from rewriter.rules import Match, Rule, RulePass
 

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import (
+from rewriter.capture.ir import (
     TensorInfo,
     is_op,
     mark_new_node,
@@ -64,7 +64,7 @@ VIEW_OPS = frozenset({"transpose", "permute", "t", "mT", "expand", "expand_as", 
 # makes one reader enough (the list: the GEMM, convolution and reshape family).
 CORE_READERS = frozenset({"matmul", "bmm", "linear", "conv", "reshape"})
 OTHER_READERS = frozenset({"flatten", "addmm", "baddbmm", "layer_norm", "group_norm"})
-# call_function spellings that rewriter.ir.op_name does not name.
+# call_function spellings that rewriter.capture.ir.op_name does not name.
 _EXTRA_FUNCTIONS = {torch.flatten: "flatten", torch.baddbmm: "baddbmm", F.layer_norm: "layer_norm",
                     F.group_norm: "group_norm", torch.narrow: "narrow", torch.select: "select",
                     torch.movedim: "movedim", torch.swapaxes: "swapaxes", torch.diagonal: "diagonal"}

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from rewriter.ir import arg, mark_new_node, op_name, tensor_info, writes_in_place
+from rewriter.capture.ir import arg, mark_new_node, op_name, tensor_info, writes_in_place
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -356,7 +356,7 @@ def chains(gm: GraphModule) -> tuple[list[Chain], list[str]]:
 
 def _covered(chain: Chain) -> tuple[Node, ...]:
     """What the rewrite changes under the same names: the chain, and the readers that take its
-    int32 values as they are (a comparison, an embedding): the site's region (rewriter.region)."""
+    int32 values as they are (a comparison, an embedding): the site's region (rewriter.capture.region)."""
     members = set(chain.nodes)
     readers = [u for n in chain.nodes for u in n.users
                if u not in members and u not in chain.exits.get(n, ())]

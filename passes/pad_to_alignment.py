@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node
 
-from rewriter.ir import (
+from rewriter.capture.ir import (
     arg,
     hoist_reads,
     is_op,

@@ -40,7 +40,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from passes.make_contiguous import is_contiguous
-from rewriter.ir import (
+from rewriter.capture.ir import (
     TensorInfo,
     arg,
     hoist_reads,

@@ -4,9 +4,13 @@
     fast = rewriter.optimize(model, example_inputs=(x,))
     print(fast.report)
 """
-from rewriter import amp
 from rewriter.api import optimize
-from rewriter.backends import Backend, get_backend
+from rewriter.capture.install import restore
+from rewriter.decide.gate import GateSettings
+from rewriter.devices import amp
+from rewriter.devices.backends import Backend, get_backend
+from rewriter.devices.host import bind_cores
+from rewriter.devices.optimizers import clip_grad_norm_, zero_grad
 from rewriter.errors import (
     CaptureError,
     PassError,
@@ -14,10 +18,6 @@ from rewriter.errors import (
     RewriterError,
     VerificationError,
 )
-from rewriter.gate import GateSettings
-from rewriter.host import bind_cores
-from rewriter.install import restore
-from rewriter.optimizers import clip_grad_norm_, zero_grad
 from rewriter.pass_api import Pass, PassContext, Site, register_pass, registered_passes
 from rewriter.report import Decision, Report
 from rewriter.wrapper import OptimizedModel

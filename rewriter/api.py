@@ -10,14 +10,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from rewriter import distributed
-from rewriter.backends import Backend, get_backend
-from rewriter.gate import Clock, GateSettings
-from rewriter.install import restore
-from rewriter.job import Job, model_device, split_inputs
+from rewriter.capture.install import restore
+from rewriter.decide.gate import Clock, GateSettings
+from rewriter.decide.job import Job, model_device, split_inputs
+from rewriter.decide.knowledge import KnowledgeBase
+from rewriter.decide.memory import check_objective
+from rewriter.devices import distributed
+from rewriter.devices.backends import Backend, get_backend
 from rewriter.pass_api import Pass, PassContext, resolve_passes
-from rewriter.knowledge import KnowledgeBase
-from rewriter.memory import check_objective
 from rewriter.pipeline import DEFAULT_TIME_BUDGET, Outcome, Settings, run_pipeline
 from rewriter.report import Report
 from rewriter.wrapper import OptimizedModel
@@ -117,7 +117,7 @@ def optimize(
             name ("inductor", "npugraphs", ...) or a torch.compile backend callable: that one.
 
         regional: decide per repeated block and install the result in every instance
-            (rewriter.blocks, rewriter.install): each block class (modules of one class repeated
+            (rewriter.capture.blocks, rewriter.capture.install): each block class (modules of one class repeated
             in a ModuleList/Sequential; a transformers model's ``_no_split_modules``) is
             captured once on the inputs of its first instance, its rewrites decided once, and
             its rewritten forward installed behind every instance's own call, so hooks, FSDP2,

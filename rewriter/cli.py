@@ -157,8 +157,8 @@ _COMPILE = {"auto": "auto", "on": True, "off": False}
 
 def _optimize(args: argparse.Namespace) -> int:
     import rewriter
-    from rewriter import host
     from rewriter import plan as plans
+    from rewriter.devices import host
 
     started, started_at = time.perf_counter(), time.time()
     out = os.path.abspath(args.out)
@@ -257,7 +257,7 @@ def _compare(before: Any, after: Any, directory: str, report: Any, notes: list[s
 
 def _profile_cmd(args: argparse.Namespace) -> int:
     """``rewriter profile``: one model's step, profiled, without optimizing."""
-    from rewriter.peaks import resolve_peaks
+    from rewriter.profile.peaks import resolve_peaks
     from rewriter.profiling import ProfileSettings, profile_model
 
     out, started_at = os.path.abspath(args.out), time.time()
@@ -273,7 +273,7 @@ def _profile_cmd(args: argparse.Namespace) -> int:
                            optimizer=job.optimizer, steps=args.steps, out_dir=out,
                            top_k=args.top_k, settings=ProfileSettings(wait=0, warmup=1), peaks=peaks)
     print(result.to_markdown(top_k=args.top_k))
-    from rewriter.memory import profile_memory
+    from rewriter.decide.memory import profile_memory
     view = profile_memory(job.model, job.inputs, training=args.train, loss_fn=job.loss_fn,
                           optimizer=job.optimizer, out_dir=out)
     print("\n" + (view.to_markdown() if view is not None else
@@ -283,7 +283,7 @@ def _profile_cmd(args: argparse.Namespace) -> int:
 
 
 def _documented() -> list[str]:
-    from rewriter.peaks import DOCUMENTED
+    from rewriter.profile.peaks import DOCUMENTED
     return sorted(DOCUMENTED)
 
 
@@ -308,7 +308,7 @@ def _to_device(model: nn.Module, inputs: tuple | dict, device: str | None
     if device is None:
         return model, inputs
     if device.partition(":")[0] == "npu":
-        from rewriter.backends import import_torch_npu
+        from rewriter.devices.backends import import_torch_npu
         if import_torch_npu() is None:  # registers the "npu" device type with torch
             raise ValueError(f"--device {device}: torch_npu does not import here")
     move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
@@ -317,8 +317,8 @@ def _to_device(model: nn.Module, inputs: tuple | dict, device: str | None
 
 def _step(run: nn.Module, job: _Job, optimizer: Any, dtype: Any) -> Callable[[], None]:
     """One step exactly as the gate runs it (same default loss: ``.loss`` or a fixed cotangent)."""
-    from rewriter.backends import get_backend
-    from rewriter.job import Job
+    from rewriter.decide.job import Job
+    from rewriter.devices.backends import get_backend
 
     model = getattr(run, "original", run)
     backend = get_backend(next((t.device.type for t in model.parameters()), "cpu"))
@@ -329,8 +329,8 @@ def _step(run: nn.Module, job: _Job, optimizer: Any, dtype: Any) -> Callable[[],
 
 def _export_graphs(fast: nn.Module, job: _Job, directory: str) -> Any:
     """Write the graph code; a loadable module is loaded back and checked against ``fast``."""
-    from rewriter.graph_export import load_exported, write_graph_code
-    from rewriter.state import preserved_state
+    from rewriter.capture.graph_export import load_exported, write_graph_code
+    from rewriter.decide.state import preserved_state
 
     export = write_graph_code(fast, directory)
     if export.loadable is None:
@@ -353,8 +353,8 @@ def _export_graphs(fast: nn.Module, job: _Job, directory: str) -> Any:
 def _dump_aoe(fast: nn.Module, optimizer: Any, job: _Job, args: argparse.Namespace, report: Any,
               out: str) -> list[str]:
     """The last thing the process runs: AOE dumping, once on, stays on (host.dump_aoe_step)."""
-    from rewriter import host
-    from rewriter.backends import get_backend
+    from rewriter.devices import host
+    from rewriter.devices.backends import get_backend
 
     step = _step(fast, job, optimizer, _DTYPES[args.dtype] if args.dtype else None)
     _say(f"dumping one step for AOE into {args.aoe}")

@@ -26,7 +26,7 @@ import torch
 from torch.fx import GraphModule
 
 if TYPE_CHECKING:
-    from rewriter.backends import Backend
+    from rewriter.devices.backends import Backend
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Pass:
     contract: ClassVar[Contract] = "exact"
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda", "npu"})
     version: ClassVar[int] = 1
-    # "site": each site's region is measured on its own (rewriter.region); "step": the rewrite
+    # "site": each site's region is measured on its own (rewriter.capture.region); "step": the rewrite
     # has no local region (precision of a whole graph, layouts across a network, long dtype
     # chains) and is measured on the whole step.
     scope: ClassVar[str] = "site"

@@ -5,22 +5,22 @@ confirm once on the step ▶ plan and report. One object owns the job from start
 
 Each pass is tried against what was kept before it (greedy, in order; a precision pass first,
 then applied on top of every later variant). A pass of scope "site" is decided per region
-signature: the sites are cut out of the graph (rewriter.region), fed the values recorded in
-one run of the model (rewriter.record), verified and timed on their own (rewriter.site_gate),
+signature: the sites are cut out of the graph (rewriter.capture.region), fed the values recorded in
+one run of the model (rewriter.capture.record), verified and timed on their own (rewriter.decide.site_gate),
 and identical sites are measured once, or not at all when the knowledge base already knows
 the signature. A pass of scope "step" and the fused optimizer are measured on the whole step
 (the optimizer on its own step). At the end the composed model is verified once and timed
-once against the original (rewriter.confirm). A decision on the whole step also measures both
-variants' peak memory once (rewriter.memory); with ``objective="memory"`` it keeps a rewrite
+once against the original (rewriter.decide.confirm). A decision on the whole step also measures both
+variants' peak memory once (rewriter.decide.memory); with ``objective="memory"`` it keeps a rewrite
 that lowers the peak within ``memory_slowdown`` (region decisions stay on time). Everything happens inside
-:func:`rewriter.state.preserved_state`, so the user's model, optimizer and RNG come out as
+:func:`rewriter.decide.state.preserved_state`, so the user's model, optimizer and RNG come out as
 they went in, also when a pass raises or the user interrupts.
 
 The flow is :meth:`Run._execute`; the stages it calls live by idea in mixins of ``Run``:
-capturing (rewriter.run_capture), a pass decided per region signature (rewriter.decide_regions),
-a pass decided on the whole step, and the memory objective (rewriter.decide_step), plans and
-replay (rewriter.run_plans); the step check and the compile decision are objects of their own
-(rewriter.confirm, rewriter.compile_gate), which read the run through rewriter.run_view.
+capturing (rewriter.capture.choose), a pass decided per region signature (rewriter.decide.regions),
+a pass decided on the whole step, and the memory objective (rewriter.decide.step), plans and
+replay (rewriter.decide.replay); the step check and the compile decision are objects of their own
+(rewriter.decide.confirm, rewriter.decide.compile_gate), which read the run through rewriter.decide.run_view.
 """
 from __future__ import annotations
 
@@ -32,28 +32,29 @@ from typing import Any, Iterator
 
 import torch
 
-from rewriter import amp, memory, optimizers
 from rewriter import plan as plans
-from rewriter.advisor import advise
-from rewriter.capture import Capture, DynamoCapture, GraphSlot
-from rewriter.compile_gate import CompileGate
-from rewriter.confirm import Confirmation, KeptUnit, usual_pairs
-from rewriter.decide_regions import RegionDecisions, _saved
-from rewriter.decide_step import StepDecisions
+from rewriter.capture.choose import CaptureStage
+from rewriter.capture.front_ends import Capture, DynamoCapture, GraphSlot
+from rewriter.capture.regional import RegionalCapture
+from rewriter.decide import memory
+from rewriter.decide.compile_gate import CompileGate
+from rewriter.decide.confirm import Confirmation, KeptUnit, usual_pairs
+from rewriter.decide.gate import Clock, GateSettings, Step, device_clock
+from rewriter.decide.job import Job, switched
+from rewriter.decide.kept import KeptPass, apply_kept, build, overlay_for
+from rewriter.decide.knowledge import KnowledgeBase
+from rewriter.decide.optimizer_gate import gate_optimizer
+from rewriter.decide.reference import Reference
+from rewriter.decide.regions import RegionDecisions, _saved
+from rewriter.decide.replay import PlanReplay, replay_on_slot
+from rewriter.decide.state import preserved_state
+from rewriter.decide.step import StepDecisions
+from rewriter.devices import amp, optimizers
 from rewriter.errors import CaptureError
-from rewriter.gate import Clock, GateSettings, Step, device_clock
-from rewriter.job import Job, switched
-from rewriter.kept import KeptPass, apply_kept, build, overlay_for
-from rewriter.knowledge import KnowledgeBase
-from rewriter.optimizer_gate import gate_optimizer
 from rewriter.pass_api import Pass, PassContext
+from rewriter.profile.advisor import advise
 from rewriter.profiling import ProfileSettings, compare, profile_run
-from rewriter.reference import Reference
-from rewriter.regional import RegionalCapture
 from rewriter.report import Decision, Report
-from rewriter.run_capture import CaptureStage
-from rewriter.run_plans import PlanReplay, replay_on_slot
-from rewriter.state import preserved_state
 
 log = logging.getLogger("rewriter.progress")
 
@@ -75,12 +76,12 @@ class Settings:
     strict_plan: bool = False  # a plan that does not fit is an error (other ranks follow rank 0)
     time_budget: float | None = DEFAULT_TIME_BUDGET  # seconds for deciding (profiling aside)
     knowledge_base: KnowledgeBase = field(default_factory=lambda: KnowledgeBase(None))
-    # the graph compiler as a gated candidate (rewriter.compile_gate): "auto", True, False,
+    # the graph compiler as a gated candidate (rewriter.decide.compile_gate): "auto", True, False,
     # an executor name or a torch.compile backend callable
     compile: Any = False
     objective: str = "time"  # "memory": keep what lowers peak memory within memory_slowdown
     memory_slowdown: float = 0.03
-    # regional rewriting (rewriter.blocks): "auto", True or False; see rewriter.api.optimize
+    # regional rewriting (rewriter.capture.blocks): "auto", True or False; see rewriter.api.optimize
     regional: Any = "auto"
 
 

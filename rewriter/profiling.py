@@ -62,23 +62,23 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from rewriter.advisor import advise, findings_to_markdown
-from rewriter.attribution import is_python_frame
-from rewriter.backends import Backend, get_backend, import_torch_npu
-from rewriter.op_analysis import OpAnalysis, analyze
-from rewriter.opcalls import (
+from rewriter.devices.backends import Backend, get_backend, import_torch_npu
+from rewriter.profile.advisor import advise, findings_to_markdown
+from rewriter.profile.attribution import is_python_frame
+from rewriter.profile.compare import Comparison, OpChange, compare, plot_top_ops
+from rewriter.profile.op_analysis import OpAnalysis, analyze
+from rewriter.profile.opcalls import (
     calls_from_ascend,
     calls_from_torch,
     csv_number,
     parse_npu_shapes,
     read_csv,
 )
-from rewriter.peaks import Peaks, resolve_peaks
-from rewriter.profile_compare import Comparison, OpChange, compare, plot_top_ops
-from rewriter.profile_rows import KernelRow, OpRow, Signature
-from rewriter.profile_rows import is_operator as _is_operator
-from rewriter.profile_rows import table_cell as _cell
-from rewriter.roofline import describe_origins, plot_roofline
+from rewriter.profile.peaks import Peaks, resolve_peaks
+from rewriter.profile.roofline import describe_origins, plot_roofline
+from rewriter.profile.rows import KernelRow, OpRow, Signature
+from rewriter.profile.rows import is_operator as _is_operator
+from rewriter.profile.rows import table_cell as _cell
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class ProfileSettings:
     active: int = 2
     record_shapes: bool = True
     profile_memory: bool = True
-    # Python stacks: each operator's model line (rewriter.attribution). Adds host overhead
+    # Python stacks: each operator's model line (rewriter.profile.attribution). Adds host overhead
     # and trace size (reference §3.1); profiled times are for reading, never for deciding.
     with_stack: bool = True
     npu_level: str = "Level1"  # Level1 writes the kernel columns the advisor reads (§3.1)
@@ -355,8 +355,8 @@ def _torch_events(prof: Any) -> list[TimedEvent]:
 
 def _kineto_peak_mb(prof: Any, device_type: str) -> float | None:
     """Peak of the allocations the profiler saw, above what was allocated when it started
-    (one implementation: rewriter.memory, also behind optimize()'s memory objective)."""
-    from rewriter.memory import memory_events, peak_from_events
+    (one implementation: rewriter.decide.memory, also behind optimize()'s memory objective)."""
+    from rewriter.decide.memory import memory_events, peak_from_events
     events = memory_events(prof, device_type)
     if not events:
         return None
@@ -694,7 +694,7 @@ def profile_run(run: Callable[[], Any], device: str | torch.device | Backend | N
         result.analysis.rows[0].verdict()      # 'compute-bound, 35% of peak compute (...)'
 
     ``peaks`` for the roofline: ``"auto"`` (this machine's, measured once and cached in
-    ``cache_dir``, see :mod:`rewriter.peaks`), a documented device name, a JSON file, a
+    ``cache_dir``, see :mod:`rewriter.profile.peaks`), a documented device name, a JSON file, a
     :class:`Peaks`, or None (no fractions of peak).
     """
     backend = get_backend(device)
@@ -777,12 +777,12 @@ def profile_model(model: torch.nn.Module, example_inputs: Any, *, training: bool
     ``steps`` recorded steps follow ``settings.wait`` + ``settings.warmup`` unrecorded ones.
     ``peaks`` and ``cache_dir`` as in :func:`profile_run`.
     """
-    from rewriter.job import (  # the gate's own step definition
+    from rewriter.decide.job import (  # the gate's own step definition
         Job,
         model_device,
         split_inputs,
     )
-    from rewriter.state import preserved_state
+    from rewriter.decide.state import preserved_state
 
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"profile_model expects a torch.nn.Module, got {type(model).__name__}")

@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rewriter.advisor import Finding, findings_to_markdown
+from rewriter.profile.advisor import Finding, findings_to_markdown
 from rewriter.profiling import Comparison, OpRow, format_shapes, top_operator_lines
 
 
@@ -65,10 +65,10 @@ class Report:
     notes: list[str] = field(default_factory=list)
     plan: dict | None = None
     objective: str = "time"  # optimize(objective=)
-    # The memory view (rewriter.memory.MemoryTimeline.to_dict() of one step, "before"/"after")
+    # The memory view (rewriter.decide.memory.MemoryTimeline.to_dict() of one step, "before"/"after")
     memory: dict = field(default_factory=dict)
     # Regional rewriting: per block class, its instances, the graphs that run for it, the kept
-    # passes that rewrite them (rewriter.capture.RegionalCapture.block_rows)
+    # passes that rewrite them (rewriter.capture.front_ends.RegionalCapture.block_rows)
     blocks: list[dict] = field(default_factory=list)
 
     def attach_profiles(self, **profiles: Any) -> None:
@@ -111,7 +111,7 @@ class Report:
             # operators.md/json; with matplotlib, top_operators.png and roofline.png
             profile.save(os.path.join(directory, "profile", label))
         if self.memory:  # the live-memory curve as a PNG where matplotlib imports (optional)
-            from rewriter.memory import MemoryTimeline
+            from rewriter.decide.memory import MemoryTimeline
             for label, view in self.memory.items():
                 t = MemoryTimeline(samples=[(x, y) for x, y in view.get("samples", [])],
                                    peak_bytes=int(view["peak_mb"] * 2**20), peak_ms=view["peak_ms"],
@@ -189,7 +189,7 @@ class Report:
 def _memory_lines(report: "Report") -> list[str]:
     """Per decision: peak memory without -> with the rewrite and the objective that decided;
     the step before/after: live memory over the step, its peak and the top allocators."""
-    from rewriter.memory import MemoryTimeline
+    from rewriter.decide.memory import MemoryTimeline
     rows = [d for d in report.decisions if d.peak_mb_before is not None
             or (report.objective != "time" and d.objective is not None)]
     lines: list[str] = []

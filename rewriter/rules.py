@@ -49,7 +49,7 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from rewriter.ir import (
+from rewriter.capture.ir import (
     arg,
     op_name,
     replace_node,

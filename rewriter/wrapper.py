@@ -21,15 +21,15 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from rewriter import amp
-from rewriter.capture import DynamoCapture, FxCapture
-from rewriter.executors import compiled_runner
-from rewriter.install import hooks_of as _hooks_of
-from rewriter.install import restore as _restore
+from rewriter.capture.front_ends import DynamoCapture, FxCapture
+from rewriter.capture.install import hooks_of as _hooks_of
+from rewriter.capture.install import restore as _restore
+from rewriter.capture.regional import RegionalCapture
+from rewriter.decide.state import preserved_state
+from rewriter.devices import amp
+from rewriter.devices.executors import compiled_runner
 from rewriter.pipeline import Outcome, replay_on_slot
-from rewriter.regional import RegionalCapture
 from rewriter.report import Report
-from rewriter.state import preserved_state
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch.fx import GraphModule
 
 from rewriter import GateSettings, Pass, PassContext, PassError, Site
-from rewriter.backends import CpuBackend
-from rewriter.gate import Step
-from rewriter.ir import mark_new_node
+from rewriter.capture.ir import mark_new_node
+from rewriter.decide.gate import Step
+from rewriter.devices.backends import CpuBackend
 
 # Few pairs, no warm-up time: the controlled clock needs neither.
 QUICK = GateSettings(warmup=1, warmup_seconds=0.0, max_warmup=1, min_pairs=4, max_pairs=6,

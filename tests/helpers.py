@@ -8,10 +8,10 @@ import random
 import numpy as np
 import torch
 
-from rewriter.backends import Backend, CpuBackend
-from rewriter.capture import Capture, capture
+from rewriter.capture.front_ends import Capture, capture
+from rewriter.decide.verify import flatten_output
+from rewriter.devices.backends import Backend, CpuBackend
 from rewriter.pass_api import PassContext, registered_passes
-from rewriter.verify import flatten_output
 
 
 def rewrite(model, args, pass_name: str, *, front_end: str = "fx", training: bool = False,

@@ -2,7 +2,7 @@
 it, and names the pass of this project that addresses it."""
 import pytest
 
-from rewriter.advisor import AdvisorSettings, advise, findings_to_markdown
+from rewriter.profile.advisor import AdvisorSettings, advise, findings_to_markdown
 from rewriter.profiling import KernelRow, OpRow, ProfileResult
 
 KNOWN_PASSES = {"fuse_attention", "fuse_linear", "fuse_optimizer", "make_contiguous", "narrow_int64",

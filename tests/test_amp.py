@@ -7,8 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import rewriter
-from rewriter import amp
-from rewriter.backends import CpuBackend, NpuBackend
+from rewriter.devices import amp
+from rewriter.devices.backends import CpuBackend, NpuBackend
 from tests.controlled import QUICK, Bf16Cpu, ControlledClock
 from tests.models import HandAttention
 

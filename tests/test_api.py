@@ -273,7 +273,7 @@ def test_the_saved_report_has_each_profiled_step_with_its_tables_and_charts(tmp_
 
 
 def _on_another_machine(monkeypatch):
-    from rewriter.backends import CpuBackend
+    from rewriter.devices.backends import CpuBackend
     monkeypatch.setattr(CpuBackend, "machine", lambda self: {"cpu_model": "Another CPU", "cpu_threads": "64"})
 
 
@@ -288,7 +288,7 @@ def test_a_plan_made_on_another_machine_is_measured_again_and_says_why(tmp_path,
 
 def test_ranks_replay_rank_0s_plan_whatever_machine_they_are_on(tmp_path, attn, monkeypatch):
     # (optimize() under torch.distributed replays with strict_plan: a rank must run rank 0's graph)
-    from rewriter.run_plans import _plan_to_replay
+    from rewriter.decide.replay import _plan_to_replay
     from rewriter.report import Report
     model, x = attn
     plan = _opt(model, (x,)).report.plan
@@ -318,7 +318,7 @@ def test_dynamo_skips_function_names_only_for_the_trace_logs_that_are_off(monkey
     # tokenize of each traced source file. The capture skips it while those logs are off.
     import torch._dynamo.symbolic_convert as sc
 
-    from rewriter.capture import DynamoCapture, _unlogged_trace_headers_skipped
+    from rewriter.capture.front_ends import DynamoCapture, _unlogged_trace_headers_skipped
     real = sc.get_funcname
     with _unlogged_trace_headers_skipped():
         assert sc.get_funcname("x.py", 1) is None and sc.get_funcname is not real
@@ -330,7 +330,7 @@ def test_dynamo_skips_function_names_only_for_the_trace_logs_that_are_off(monkey
     finally:
         torch._logging.set_logs()
     # and a capture's calls are made with it: Dynamo asks for no name while it traces
-    import rewriter.capture as capture_module
+    import rewriter.capture.front_ends as capture_module
     asked = []
     monkeypatch.setattr(capture_module, "_no_funcname", lambda f, l: asked.append(l))
 

@@ -13,7 +13,7 @@ from benchmarks.configs import Config, Setup
 from benchmarks.measure import QUICK_GATE
 from benchmarks.models import build_case
 from benchmarks.results import CHART, JSON, MARKDOWN
-from rewriter.knowledge import KnowledgeBase
+from rewriter.decide.knowledge import KnowledgeBase
 
 pytest.importorskip("transformers")
 
@@ -194,6 +194,7 @@ def test_attention_parts_times_both_forms_forward_and_training(capsys, dtype):
 
 def test_the_two_attention_forms_compute_the_same():
     import torch
+
     from benchmarks.attention_parts import forms
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 16, 8) for _ in range(3))
@@ -204,6 +205,7 @@ def test_the_two_attention_forms_compute_the_same():
 
 def test_in_bf16_both_attention_forms_run_in_bf16_and_agree_to_its_rounding():
     import torch
+
     from benchmarks.attention_parts import forms
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 16, 8, dtype=torch.bfloat16) for _ in range(3))

@@ -15,7 +15,8 @@ import textwrap
 import pytest
 import torch
 
-from rewriter import cli, graph_export
+from rewriter import cli
+from rewriter.capture import graph_export
 from tests.controlled import QUICK, ControlledClock
 from tests.factories import tiny_models
 
@@ -283,7 +284,7 @@ def test_aoe_dumps_exactly_one_step_last_and_prints_the_command(tmp_path, clocks
                                             (("--bind-cores",), "not to bind CPUs")])
 def test_aoe_refused_before_measuring(tmp_path, clocks, capsys, monkeypatch, extra, message):
     if not extra:
-        monkeypatch.setattr("rewriter.host.import_torch_npu", lambda: None)
+        monkeypatch.setattr("rewriter.devices.host.import_torch_npu", lambda: None)
     else:
         from tests import npu_shim
         monkeypatch.setitem(sys.modules, "torch_npu", npu_shim.as_module())

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 import rewriter
-from rewriter.backends import get_backend
-from rewriter.executors import executors_for
+from rewriter.devices.backends import get_backend
+from rewriter.devices.executors import executors_for
 from tests import npu_shim
 from tests.controlled import QUICK, Bf16Cpu, ControlledClock, RewriteRelu
 from tests.models import ReluMLP

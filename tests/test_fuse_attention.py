@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rewriter.backends import NpuBackend
+from rewriter.devices.backends import NpuBackend
 from tests.helpers import code, outputs_and_grads, rewrite
 from tests.models import HandAttention
 
@@ -282,9 +282,9 @@ def test_real_model_forms_fire_with_equal_outputs_and_grads(form):
     ("mask_iadd", "writes into the mask"),
 ])
 def test_real_model_forms_declined_with_the_reason(form, reason):
-    from rewriter.backends import CpuBackend
-    from rewriter.capture import capture
-    from rewriter.ir import copy_graph_module
+    from rewriter.capture.front_ends import capture
+    from rewriter.capture.ir import copy_graph_module
+    from rewriter.devices.backends import CpuBackend
     from rewriter.pass_api import PassContext, registered_passes
     torch._dynamo.reset()
     model, args = Forms(form), _form_inputs(form)

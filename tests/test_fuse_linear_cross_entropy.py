@@ -6,9 +6,9 @@ import torch.nn.functional as F
 
 import rewriter
 from passes import fuse_linear_cross_entropy as lce
-from rewriter.backends import CpuBackend
-from rewriter.capture import capture
-from rewriter.ir import copy_graph_module
+from rewriter.capture.front_ends import capture
+from rewriter.capture.ir import copy_graph_module
+from rewriter.devices.backends import CpuBackend
 from rewriter.pass_api import PassContext
 from tests.controlled import QUICK, ControlledClock
 

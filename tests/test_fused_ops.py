@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rewriter.backends import NpuBackend
+from rewriter.devices.backends import NpuBackend
 from tests.helpers import code, outputs_and_grads, rewrite
 
 # --- small models, one pattern each --------------------------------------------------------------
@@ -313,7 +313,7 @@ def test_rms_norm_and_gelu_npu_forms_on_shim(fake_torch_npu):
 
 
 def test_quick_gelu_on_npu_only_with_dtype(fake_torch_npu):
-    from rewriter.capture import capture
+    from rewriter.capture.front_ends import capture
     from rewriter.pass_api import PassContext, registered_passes
     model, x = QuickGelu(), torch.randn(4, 32)
     p = registered_passes()["fuse_gelu"]

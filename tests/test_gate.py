@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import rewriter
-from rewriter.gate import GateSettings, Measurement, Step, decide, measure
+from rewriter.decide.gate import GateSettings, Measurement, Step, decide, measure
 from tests.controlled import QUICK, ControlledClock, RewriteRelu
 from tests.models import ReluMLP
 
@@ -144,7 +144,8 @@ def test_a_pair_that_would_end_past_the_deadline_is_not_started(monkeypatch):
     # A time budget is a bound: with 0.25 s pairs (a 0.125 s step twice) and the deadline at
     # 1 s, the fourth pair ends on it and a fifth would end past it.
     import types
-    from rewriter import gate
+
+    from rewriter.decide import gate
     now = [0.0]
     monkeypatch.setattr(gate, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
@@ -168,7 +169,8 @@ def test_a_warm_up_round_that_would_end_past_the_deadline_is_not_started(monkeyp
     # Warming up two 0.4 s steps: the first round ends at 0.8 s, a second would end past the
     # 1 s deadline, so the comparison is out of time before any pair, and says so.
     import types
-    from rewriter import gate
+
+    from rewriter.decide import gate
     now = [0.0]
     monkeypatch.setattr(gate, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     runs = []

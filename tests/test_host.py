@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rewriter
-from rewriter import host
+from rewriter.devices import host
 
 
 @pytest.mark.parametrize("text, cores", [

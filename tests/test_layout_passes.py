@@ -13,12 +13,11 @@ import torch.nn.functional as F
 
 import rewriter
 from passes import narrow_int64
-from rewriter.backends import CpuBackend, CudaBackend, NpuBackend
-from rewriter.ir import op_name
+from rewriter.capture.ir import op_name
+from rewriter.devices.backends import CpuBackend, CudaBackend, NpuBackend
 from rewriter.pass_api import PassContext, registered_passes
 from tests.controlled import QUICK, ControlledClock
 from tests.helpers import code, outputs_and_grads, rewrite
-
 
 # --- small models, one pattern each --------------------------------------------------------------
 

@@ -7,9 +7,15 @@ import pytest
 import torch
 
 import rewriter
-from rewriter.backends import CpuBackend
-from rewriter.gate import Measurement
-from rewriter.memory import MemoryTimeline, decide_memory, memory_timeline, peak_bytes, peak_from_events
+from rewriter.decide.gate import Measurement
+from rewriter.decide.memory import (
+    MemoryTimeline,
+    decide_memory,
+    memory_timeline,
+    peak_bytes,
+    peak_from_events,
+)
+from rewriter.devices.backends import CpuBackend
 from tests.controlled import QUICK, ControlledClock, RewriteRelu
 from tests.models import ReluMLP
 
@@ -188,7 +194,7 @@ class FakeAllocator:
 
 
 def test_device_peak_reads_the_allocator_statistics(monkeypatch):
-    from rewriter import memory
+    from rewriter.decide import memory
     fake = FakeAllocator()
     monkeypatch.setattr(memory, "_allocator", lambda device_type: fake)
 
@@ -209,7 +215,7 @@ def test_device_peak_reads_the_allocator_statistics(monkeypatch):
 
 
 def test_a_device_without_statistics_tells_nothing(monkeypatch):
-    from rewriter import memory
+    from rewriter.decide import memory
     monkeypatch.setattr(memory, "_allocator", lambda device_type: None)
 
     class Npu:

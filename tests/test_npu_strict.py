@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import rewriter
-from rewriter import optimizers
-from rewriter.backends import NpuBackend
-from rewriter.npu_capabilities import MIN_TORCH_NPU, chip_family, torch_npu_release, version_problem
+from rewriter.devices import optimizers
+from rewriter.devices.backends import NpuBackend
+from rewriter.devices.npu_capabilities import MIN_TORCH_NPU, chip_family, torch_npu_release, version_problem
 from rewriter.pass_api import PassContext, registered_passes
 from tests import npu_shim
 from tests.controlled import QUICK, ControlledClock
@@ -46,7 +46,7 @@ def _same(model, cap, args, rtol=1e-5, atol=1e-5):
 
 def _find(pass_name, model, args, training=True, dtype=None):
     """(sites, declined reasons) of ``pass_name`` on a fresh capture of ``model``."""
-    from rewriter.capture import capture
+    from rewriter.capture.front_ends import capture
     ctx = PassContext(NpuBackend(), training, dtype)
     sites = registered_passes()[pass_name].find(capture(model, args, {}, "fx").slots[0].kept, ctx)
     return sites, ctx.declined

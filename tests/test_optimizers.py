@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import rewriter
-from rewriter.backends import CpuBackend, NpuBackend
-from rewriter.optimizers import candidates
+from rewriter.devices.backends import CpuBackend, NpuBackend
+from rewriter.devices.optimizers import candidates
 from tests.controlled import QUICK, ControlledClock
 from tests.models import ReluMLP
 

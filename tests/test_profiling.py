@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import rewriter
 from rewriter import profiling
-from rewriter.advisor import advise
+from rewriter.profile.advisor import advise
 from rewriter.profiling import (
     OpRow,
     ProfileResult,
@@ -277,7 +277,7 @@ def test_npu_path_uses_torch_npu_profiler_and_reads_its_output(tmp_path, fake_to
     assert "eq" in r.sequence and "linear" in r.sequence  # from trace_view.json's string ts
     assert isinstance(json.load(open(r.files["trace"])), list)  # trace_view.json, copied
     assert r.peak_memory_mb is not None
-    findings = advise(r, settings=rewriter.advisor.AdvisorSettings(aicpu_min_us=0))
+    findings = advise(r, settings=rewriter.profile.advisor.AdvisorSettings(aicpu_min_us=0))
     ai_cpu = next(f for f in findings if f.rule == "ai_cpu")
     assert ai_cpu.passes == ("narrow_int64",) and "eq" in ai_cpu.operators
 

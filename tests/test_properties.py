@@ -25,7 +25,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from rewriter.verify import flatten_output  # noqa: E402
+from rewriter.decide.verify import flatten_output  # noqa: E402
 from tests.helpers import code, rewrite  # noqa: E402
 
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True, database=None,

@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from rewriter.backends import CpuBackend, NpuBackend
-from rewriter.capture import capture
-from rewriter.ir import copy_graph_module
+from rewriter.capture.front_ends import capture
+from rewriter.capture.ir import copy_graph_module
+from rewriter.devices.backends import CpuBackend, NpuBackend
 from rewriter.pass_api import PassContext, registered_passes
 from tests import npu_shim
 from tests.factories.families import family_capture

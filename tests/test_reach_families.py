@@ -23,13 +23,13 @@ import sys
 import pytest
 import torch
 
-from rewriter.backends import CpuBackend, NpuBackend
-from rewriter.capture import capture
-from rewriter.ir import copy_graph_module
+from rewriter.capture.front_ends import capture
+from rewriter.capture.ir import copy_graph_module
+from rewriter.decide.verify import flatten_output
+from rewriter.devices.backends import CpuBackend, NpuBackend
 from rewriter.pass_api import PassContext, registered_passes
 from tests import npu_shim
 from tests.factories.families import FAMILIES, build, family_capture, family_sites
-from rewriter.verify import flatten_output
 from tests.helpers import outputs_and_grads
 
 # family -> pass -> expected sites; NPU-only passes are counted on the reference shim

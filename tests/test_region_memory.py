@@ -12,15 +12,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx import GraphModule
 
-from rewriter.capture import finish_rewrite
-from rewriter.ir import annotate_tensor_info, copy_graph_module
-
 import rewriter
-from rewriter import Pass, PassContext, Site, memory
-from rewriter.ir import mark_new_node
-from rewriter.region import find_regions
-from rewriter.site_gate import held_for_backward
-from rewriter.record import Recorded
+from rewriter import Pass, PassContext, Site
+from rewriter.capture.front_ends import finish_rewrite
+from rewriter.capture.ir import annotate_tensor_info, copy_graph_module, mark_new_node
+from rewriter.capture.record import Recorded
+from rewriter.capture.region import find_regions
+from rewriter.decide import memory
+from rewriter.decide.site_gate import held_for_backward
 from tests.controlled import QUICK, ControlledClock
 
 D, ROWS, LAYERS = 32, 64, 3

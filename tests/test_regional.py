@@ -17,10 +17,10 @@ from torch.utils.checkpoint import checkpoint
 
 import rewriter
 from rewriter import Pass, PassContext, Site
-from rewriter.blocks import find_blocks
-from rewriter.regional import RegionalCapture
-from rewriter.install import install
-from rewriter.ir import mark_new_node
+from rewriter.capture.blocks import find_blocks
+from rewriter.capture.install import install
+from rewriter.capture.ir import mark_new_node
+from rewriter.capture.regional import RegionalCapture
 from tests.controlled import QUICK, ControlledClock
 
 CALLS = {"relu": 0}
@@ -75,7 +75,7 @@ class Stack(nn.Module):
 
 @pytest.fixture(autouse=True)
 def _counts_from_zero_and_nothing_left_installed():
-    from rewriter import install as installs
+    from rewriter.capture import install as installs
 
     CALLS["relu"] = 0
     yield
@@ -334,7 +334,7 @@ def test_a_dropped_optimized_model_leaves_its_block_class_as_it_was():
 def test_a_whole_model_capture_of_another_instance_traces_through_an_installed_class():
     # While one model's blocks are installed, Dynamo tracing another model of the same classes
     # sees the blocks' code as usual: one graph, its sites found.
-    from rewriter.capture import DynamoCapture
+    from rewriter.capture.front_ends import DynamoCapture
 
     class Pair(nn.Module):  # another model class (Dynamo skips Stack's looping forward once
         def __init__(self):  # the regional capture broke its graph at each block)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rewriter
-from rewriter.capture import GraphSlot
+from rewriter.capture.front_ends import GraphSlot
 from tests.controlled import QUICK, ControlledClock
 
 transformers = pytest.importorskip("transformers")

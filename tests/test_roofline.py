@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from rewriter import peaks as peaks_mod
-from rewriter.advisor import advise
-from rewriter.attribution import Origin, origin_from_frames
-from rewriter.op_analysis import analyze
-from rewriter.opcalls import OpCall, calls_from_ascend, calls_from_torch
-from rewriter.opcost import OpCost, op_cost
-from rewriter.peaks import Peaks, documented_peaks, resolve_peaks
-from rewriter.roofline import roofline_rows
-from rewriter.shape_outliers import find_outliers
+from rewriter.profile import peaks as peaks_mod
+from rewriter.profile.advisor import advise
+from rewriter.profile.attribution import Origin, origin_from_frames
+from rewriter.profile.op_analysis import analyze
+from rewriter.profile.opcalls import OpCall, calls_from_ascend, calls_from_torch
+from rewriter.profile.opcost import OpCost, op_cost
+from rewriter.profile.peaks import Peaks, documented_peaks, resolve_peaks
+from rewriter.profile.roofline import roofline_rows
+from rewriter.profile.shape_outliers import find_outliers
 
 PEAKS = Peaks("cpu: test", {"float32": 100.0}, 10.0, "given for the test")  # ridge 10 FLOP/B
 
@@ -278,7 +278,8 @@ def test_roofline_chart_is_a_png_or_the_table_says_what_it_would_show(tmp_path, 
     a = analyze(calls, PEAKS)
     try:
         import matplotlib  # noqa: F401
-        from rewriter.roofline import plot_roofline
+
+        from rewriter.profile.roofline import plot_roofline
         with open(plot_roofline(a.rows, PEAKS, tmp_path / "r.png"), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     except ImportError:

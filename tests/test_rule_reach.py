@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rewriter.backends import NpuBackend
+from rewriter.devices.backends import NpuBackend
 from tests.helpers import code, outputs_and_grads, rewrite
 
 
@@ -249,8 +249,8 @@ def test_chunked_rotary_declines_on_cpu_and_for_the_wrong_halves(fake_torch_npu)
 def test_geglu_after_fuse_qkv_projections_reorders_the_merged_weights(fake_torch_npu):
     """The pipeline merges gate/up first (fuse_qkv_projections: gelu(c[0]) * c[1] of one linear);
     the GeGLU rule rebuilds that merge up-half first, so activate_left=False applies (§1.7)."""
+    from rewriter.capture.front_ends import capture
     from rewriter.pass_api import PassContext, registered_passes
-    from rewriter.capture import capture
     torch.manual_seed(0)
     for bias in (False, True):
         model, x = GatedMlp("gelu-tanh", bias=bias), torch.randn(2, 5, 16)

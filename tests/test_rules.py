@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from rewriter.ir import annotate_tensor_info
+from rewriter.capture.ir import annotate_tensor_info
 from rewriter.rules import Pattern, Rule, canonical, is_optional_link
 
 
@@ -217,7 +217,7 @@ def test_a_pattern_that_computes_nothing_is_a_clear_error():
 # --- the pass driver ----------------------------------------------------------------------------
 
 def test_rule_pass_reports_matches_inside_an_autograd_function():
-    from rewriter.backends import CpuBackend
+    from rewriter.devices.backends import CpuBackend
     from rewriter.pass_api import PassContext, registered_passes
 
     class Gelu(torch.autograd.Function):

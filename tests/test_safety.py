@@ -25,9 +25,9 @@ from torch.fx import GraphModule
 
 import rewriter
 from rewriter import Pass, PassContext, Site
+from rewriter.capture.ir import mark_new_node
+from rewriter.decide.verify import flatten_output
 from rewriter.errors import PlanError
-from rewriter.ir import mark_new_node
-from rewriter.verify import flatten_output
 from tests.controlled import QUICK, ControlledClock, RewriteRelu
 from tests.helpers import assert_same_state, state_snapshot
 from tests.models import BnNet, HandAttention, ReluMLP

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import rewriter
-from rewriter.gate import GateSettings, Measurement, Step, decide, measure
-from rewriter.region import find_regions
+from rewriter.capture.region import find_regions
+from rewriter.decide.gate import GateSettings, Measurement, Step, decide, measure
 from tests.controlled import QUICK, Bf16Cpu, ControlledClock, RewriteRelu
 from tests.models import Blocks, ReluMLP
 
@@ -53,7 +53,7 @@ def test_identical_sites_are_one_signature_measured_once(blocks):
 def test_a_deep_stack_of_identical_sites_verifies_a_sample_then_the_whole_model(monkeypatch):
     # Verifying costs the same at any depth: first, middle and last of ten identical sites
     # against float64; the composed model is then verified whole once.
-    import rewriter.decide_regions as decide_regions
+    import rewriter.decide.regions as decide_regions
     import rewriter.pipeline as pipeline
     torch.manual_seed(0)
     model, x = Blocks(n=10).eval(), torch.randn(8, 16)
@@ -108,7 +108,7 @@ def test_a_cached_signature_is_replayed_without_measuring(tmp_path, blocks):
 
 
 def test_figures_timed_an_older_way_are_measured_again_not_replayed(tmp_path, blocks, monkeypatch):
-    import rewriter.decide_regions as decide_regions
+    import rewriter.decide.regions as decide_regions
     model, x = blocks
     kb = tmp_path / "kb.json"
     monkeypatch.setattr(decide_regions, "REGION_TIMING", "1")
@@ -136,7 +136,7 @@ def test_a_rejection_in_the_knowledge_base_is_neither_recorded_nor_verified(tmp_
                                                                              monkeypatch):
     # Replaying a rejection decides nothing new: the run records no boundary values and verifies
     # no region for it. A kept signature is still verified on this model's values.
-    import rewriter.decide_regions as decide_regions
+    import rewriter.decide.regions as decide_regions
     import rewriter.pipeline as pipeline
     model, x = blocks
     kb = tmp_path / "kb.json"
@@ -408,7 +408,7 @@ def test_fused_optimizer_faster_on_its_step_is_returned_with_no_passes():
 
 
 def test_optimizer_figures_timed_an_older_way_are_measured_again_not_replayed(tmp_path, monkeypatch):
-    import rewriter.optimizer_gate as optimizer_gate
+    import rewriter.decide.optimizer_gate as optimizer_gate
 
     def once():
         fast, _, _, clock = _optimizer_only(knowledge_base=tmp_path)
@@ -429,7 +429,7 @@ def test_the_optimizer_step_warms_up_for_a_regions_time_not_a_whole_steps(monkey
     # the gate's fewest warm-up rounds).
     import dataclasses
 
-    import rewriter.optimizer_gate as optimizer_gate
+    import rewriter.decide.optimizer_gate as optimizer_gate
     gate = dataclasses.replace(QUICK, warmup=2, max_warmup=10, warmup_seconds=60.0,
                                region_warmup_seconds=0.0)
     runs, pairs = [], []
@@ -491,8 +491,8 @@ def test_the_report_shows_signatures_and_phases(blocks):
 def test_regions_cut_out_the_rewritten_nodes_with_their_boundary():
     torch.manual_seed(0)
     gm = torch.fx.symbolic_trace(ReluMLP())
-    from rewriter.capture import finish_rewrite
-    from rewriter.ir import annotate_tensor_info, copy_graph_module
+    from rewriter.capture.front_ends import finish_rewrite
+    from rewriter.capture.ir import annotate_tensor_info, copy_graph_module
     x = torch.randn(4, 16)
     annotate_tensor_info(gm, (x,), {})
     cand = copy_graph_module(gm)
@@ -511,8 +511,8 @@ def test_regions_cut_out_the_rewritten_nodes_with_their_boundary():
 def test_a_region_call_draws_its_cotangents_once_not_in_every_timed_call(monkeypatch):
     # The draw (float64 randn) costs about what a region does: inside the timed loop it would
     # add the same milliseconds to both forms and pull every ratio towards 1.
-    from rewriter import site_gate
-    from rewriter.record import Recorded
+    from rewriter.capture.record import Recorded
+    from rewriter.decide import site_gate
     draws = []
     real = site_gate._cotangent
     monkeypatch.setattr(site_gate, "_cotangent", lambda i, t: draws.append(i) or real(i, t))
@@ -555,7 +555,7 @@ def test_a_rejected_precision_sends_the_other_passes_back_to_full_precision(bloc
 
 
 def test_a_cpu_without_native_bf16_declines_precision_lowering_with_the_reason(monkeypatch, blocks):
-    import rewriter.backends as backends
+    import rewriter.devices.backends as backends
     monkeypatch.setattr(backends, "cpu_has_native_bf16", lambda: False)
     model, x = blocks
     fast = _opt(model, (x,), ["cast_to_half"], ControlledClock({"cast_to_half": 0.5}),
@@ -639,7 +639,7 @@ def test_a_whole_step_decision_is_replayed_from_the_knowledge_base(tmp_path, blo
 
 
 def test_whole_steps_timed_an_older_way_are_measured_again(tmp_path, blocks, monkeypatch):
-    import rewriter.job as job
+    import rewriter.decide.job as job
     model, x = blocks
     kb = tmp_path / "kb.json"
     monkeypatch.setattr(job, "STEP_TIMING", "1")
@@ -657,7 +657,7 @@ def test_a_regression_is_only_believed_on_firm_pairs():
     """Too few pairs pointing slower (the time budget cut the step check short) revert nothing."""
     from types import SimpleNamespace
 
-    from rewriter.confirm import _slower, firm_pairs
+    from rewriter.decide.confirm import _slower, firm_pairs
     from rewriter.pipeline import Settings
     run = SimpleNamespace(settings=Settings(gate=GateSettings()))
     g = run.settings.gate

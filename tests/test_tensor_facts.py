@@ -1,10 +1,10 @@
-"""Tensor facts of nodes a pass adds (rewriter.ir.fill_missing_info), without real compute."""
+"""Tensor facts of nodes a pass adds (rewriter.capture.ir.fill_missing_info), without real compute."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.fx import symbolic_trace
 
-from rewriter.ir import TensorInfo, annotate_tensor_info, fill_missing_info, tensor_info
+from rewriter.capture.ir import TensorInfo, annotate_tensor_info, fill_missing_info, tensor_info
 
 
 class Attn(nn.Module):

@@ -114,7 +114,7 @@ ALL_FASTER = {name: 0.9 for name in rewriter.registered_passes()}
 def test_llama_training_all_sites_found_on_npu_shim_and_numerics_hold(fake_torch_npu):
     """The issue's bar: RMSNorm, rotary, SwiGLU and attention sites all found in LLaMA training
     (the NPU forms on the reference shim), and the model still computes the same."""
-    from rewriter.backends import NpuBackend
+    from rewriter.devices.backends import NpuBackend
     torch.manual_seed(0)
     model = _llama().train()
     inputs = _inputs(True)
@@ -141,7 +141,7 @@ def test_regional_npu_llama_declines_an_additive_mask_from_outside_the_block(fak
     """Regional capture (the default) on the NPU shim: the per-layer fusions are found in every
     decoder layer; attention is declined with its reason, since the mask comes into the block
     as a float input whose form the block's graph cannot prove (a known limit)."""
-    from rewriter.backends import NpuBackend
+    from rewriter.devices.backends import NpuBackend
     torch.manual_seed(0)
     model = _llama().train()
     fast = rewriter.optimize(model, _inputs(True), device=NpuBackend(), clock=ControlledClock(ALL_FASTER),

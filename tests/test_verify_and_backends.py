@@ -3,14 +3,14 @@ import pytest
 import torch
 
 import rewriter
-from rewriter.backends import CpuBackend, NpuBackend, get_backend
-from rewriter.verify import (
+from rewriter.decide.verify import (
     Yardstick,
     compare_runs,
     dropout_disabled,
     flatten_output,
     tolerance_for,
 )
+from rewriter.devices.backends import CpuBackend, NpuBackend, get_backend
 from tests.controlled import QUICK, ControlledClock
 from tests.models import HandAttention
 
@@ -189,7 +189,7 @@ def test_optimize_end_to_end_on_the_npu_shim(fake_torch_npu):
 
 
 def test_float64_yardstick_copies_the_model_and_runs_on_the_host_for_npu(fake_torch_npu):
-    from rewriter.job import Job
+    from rewriter.decide.job import Job
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()).train()
     job = Job(model, (torch.randn(2, 4),), {}, NpuBackend(), training=True)
@@ -204,7 +204,7 @@ def test_float64_yardstick_copies_the_model_and_runs_on_the_host_for_npu(fake_to
 
 def test_cpuinfo_flags_are_read_on_x86_and_on_arm():
     from benchmarks.measure import _isa
-    from rewriter.backends import parse_cpuinfo
+    from rewriter.devices.backends import parse_cpuinfo
     x86 = ["processor\t: 0", "model name\t: Intel(R) Xeon(R) Platinum 8480+",
            "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16", "", "processor\t: 1",
            "model name\t: other", "flags\t\t: fpu"]

@@ -23,7 +23,7 @@ Why a callback, and what it does at each point of Trainer's lifecycle:
   forward + backward + ``optimizer.step()`` on that batch; measuring restores parameters,
   gradients, optimizer state and RNG bit for bit, so the run goes on as if it had not happened.
 * Under ``torch.distributed`` (accelerate, ``torchrun``) every rank reaches its first forward
-  together; rank 0 measures and the others replay its plan (``rewriter.distributed``), so all
+  together; rank 0 measures and the others replay its plan (``rewriter.devices.distributed``), so all
   ranks run the same graphs. Measuring runs no collectives.
 * Checkpoints are Trainer's own ``save_pretrained`` of the model: the rewritten graphs share the
   model's tensors and change none of its keys, so ``from_pretrained`` loads them into the plain

@@ -117,7 +117,7 @@ def family_capture(family: str, training: bool = False):
     Treat it as read-only: count with ``family_sites``; to rewrite, capture afresh with
     ``tests.helpers.rewrite`` (its graphs are changed in place).
     """
-    from rewriter.capture import capture
+    from rewriter.capture.front_ends import capture
     torch._dynamo.reset()  # many captures in one process would hit Dynamo's recompile limit
     model, kw = build(family, training=training)
     cap = capture(model, (), kw, "dynamo")
@@ -128,8 +128,8 @@ def family_capture(family: str, training: bool = False):
 
 def family_sites(family: str, pass_name: str, *, training: bool = False, backend=None) -> list:
     """The sites ``pass_name`` finds in every graph of ``family`` (nothing is rewritten)."""
-    from rewriter.backends import CpuBackend
-    from rewriter.ir import copy_graph_module
+    from rewriter.capture.ir import copy_graph_module
+    from rewriter.devices.backends import CpuBackend
     from rewriter.pass_api import PassContext, registered_passes
     cap, _, _ = family_capture(family, training)
     p = registered_passes()[pass_name]

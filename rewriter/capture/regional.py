@@ -1,0 +1,259 @@
+"""Regional capture: each repeated block class traced once, installed in every instance.
+
+The model's repeated blocks (rewriter.capture.blocks) are the unit: Dynamo traces one instance's
+forward, with the parameters as graph inputs, so the one graph it hands over serves every
+instance of the class (a 32-layer model costs one block). The installed forward
+(rewriter.capture.install) runs that graph for every registered instance behind the instance's own
+call; the rest of the model is captured around the blocks as the outer graphs, in which each
+block is a call. The pipeline decides on these graphs as on any capture's::
+
+    cap = RegionalCapture(model, "why", find_blocks(model))
+    cap(*args)              # the outer graphs and, in them, the block graphs ("Block.graph_0")
+    cap.engage()            # after optimize(): every call of the model runs the block graphs
+    cap.remove()            # the classes' forwards are what they were
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+from torch._C._dynamo.eval_frame import reset_code
+from torch._dynamo.eval_frame import skip_code
+
+from rewriter.capture.front_ends import DynamoCapture, _unlogged_trace_headers_skipped, _weak_backend
+from rewriter.capture.install import hooks_of, install
+
+
+class RegionalCapture(DynamoCapture):
+    """Regional capture: each repeated block class traced once, its graphs installed in every
+    instance (rewriter.capture.install), and the rest of the model captured around them as the outer
+    graphs, in which each block is a call.
+
+    Dynamo traces one instance's forward with the parameters as graph inputs, so the graph it
+    hands over serves every instance of the class; a signature not seen yet (new shapes, the
+    other train/eval mode, grad mode) is a new graph, to which the kept rewrites are replayed.
+    A transformers cache passed to a block is shown to it as that block's own layer of the
+    cache (``_LayerCache``), so writing the cache does not make every layer a graph of its own.
+    """
+
+    front_end = "regional"
+
+    def __init__(self, model: nn.Module, reason: str, blocks: list[Any]) -> None:
+        self.blocks = blocks
+        self.block_compiler: Callable[..., Any] | None = None  # regional compile, see compile_blocks
+        self.installations = []
+        self._instance_tensors = {b.name: [{**dict(m.named_parameters()), **dict(m.named_buffers())}
+                                           for _, m in b.instances] for b in blocks}
+        plain_compile = inspect.unwrap(torch.compile)
+        for b in blocks:
+            runner = _BlockRunner(self, b, plain_compile)
+            self.installations.append(install(b.cls, [m for _, m in b.instances], runner))
+        # The forwards that call the blocks run as Python, not traced: Dynamo would trace each
+        # of them (and each decorator around it) up to the first block call, find a graph break
+        # in a loop, and drop the whole trace; what they call is still captured, frame by frame
+        # (the embeddings, the mask, the final norm, the head and the loss).
+        self._untraced = _calling_frames(model, blocks)
+        for code in self._untraced:
+            skip_code(code)
+        super().__init__(model, reason)
+
+    def _same_in_every_instance(self, value: torch.Tensor, block: Any) -> bool:
+        if block is None:
+            return True
+        tensors = self._instance_tensors[block.name]  # per instance: name -> tensor
+        name = next((n for n, t in tensors[0].items() if t is value), None) or \
+            next((n for per in tensors[1:] for n, t in per.items() if t is value), None)
+        if name is None:  # a model tensor outside the block (a shared rotary table)
+            return True
+        return all(name in per and per[name].shape == value.shape and per[name].dtype == value.dtype
+                   and torch.equal(per[name], value) for per in tensors)
+
+    @contextlib.contextmanager
+    def counting_calls(self) -> Iterator[None]:
+        """Count how often each graph runs in the body (one step of the model): a block's graph
+        runs once per instance that takes its signature (the first block's input may not need a
+        gradient where the others' do; a checkpoint's recompute is a graph of its own), and the
+        graph between two blocks once per gap. The counts weigh each site's saving."""
+        for s in self.slots:
+            s.runs = 0
+        yield
+        for s in self.slots:
+            s.calls = s.runs
+
+    def compile_blocks(self, backend: Callable[..., Any]) -> None:
+        """Regional compile: each block graph is compiled by ``backend`` at its first run with
+        ``switch.use_compiled`` (once for all the block's instances); so is a block graph
+        Dynamo hands over later (a new signature)."""
+        self.block_compiler = backend
+        for s in self.slots:
+            if s.block is not None:
+                s.compiler, s.compiled_form = backend, None
+
+    @contextlib.contextmanager
+    def engaged_in_thread(self) -> Iterator[None]:
+        """The installed block graphs run for calls made in this thread during the body."""
+        with contextlib.ExitStack() as stack:
+            for inst in self.installations:
+                stack.enter_context(inst.engaged_here())
+            yield
+
+    @property
+    def engaged(self) -> bool:
+        """Whether the installed block graphs run at every call (optimize() kept a rewrite)."""
+        return any(inst.engaged for inst in self.installations)
+
+    def engage(self) -> None:
+        """From now on every registered instance runs its installed graphs (after optimize())."""
+        for inst in self.installations:
+            inst.engaged = True
+
+    def remove(self) -> None:
+        """Take the installed forwards off again: the classes' forwards are what they were, and
+        Dynamo traces the forwards that call them again."""
+        for inst in self.installations:
+            inst.remove()
+        for code in self._untraced:
+            reset_code(code)
+        self._untraced = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.engaged_in_thread():
+            return super().__call__(*args, **kwargs)
+
+    def block_rows(self) -> list[dict]:
+        """Per block class: instances, the graphs that run for it, and its nodes (the report)."""
+        rows = []
+        for b in self.blocks:
+            mine = [s for s in self.slots if s.block == b.name]
+            rows.append({"class": b.name, "instances": len(b.instances),
+                         "first": b.instances[0][0], "last": b.instances[-1][0],
+                         "graphs": [s.name for s in mine],
+                         "nodes": [len(s.original.graph.nodes) for s in mine],
+                         "rewritten": any(s.kept is not s.original or s.overlay is not None
+                                          for s in mine)})
+        return rows
+
+
+# Graphs one block class may have (signatures: train/eval, grad mode, prefill and decode shapes);
+# past it Dynamo runs the block's own forward, unrewritten.
+BLOCK_SIGNATURES = 16
+
+
+def _call_block(module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    return forward(module, *args, **kwargs)
+
+
+class _BlockRunner:
+    """What an installed instance runs: its class's one compiled (captured) forward, unless hooks
+    were added inside the block after it was captured (the graph would skip them), in which case
+    the instance's own forward runs."""
+
+    def __init__(self, cap: RegionalCapture, block: Any, plain_compile: Callable[..., Any]) -> None:
+        # A code object of its own: Dynamo keeps compiled entries (and counts recompiles) per code
+        # object, and every block class of every optimize() in the process would share one.
+        code = _call_block.__code__.replace(co_name=f"_call_{block.name}")
+        fn = types.FunctionType(code, _call_block.__globals__, code.co_name)
+        self.compiled = plain_compile(fn, backend=_weak_backend(cap, block), dynamic=None)
+        self.cap = cap
+        self.inner = {id(m): [x for x in m.modules() if x is not m] for _, m in block.instances}
+        self.hooks = {k: hooks_of(v) for k, v in self.inner.items()}
+        self.layer_idx = {id(m): _layer_index(m) for _, m in block.instances}
+        self.seen = torch.utils.hooks.RemovableHandle.next_id
+        self.unhooked: set[int] = set()
+
+    def __call__(self, module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self._hooked_inside(module):
+            return forward(module, *args, **kwargs)
+        args, kwargs = _one_layer_caches(args, kwargs, self.layer_idx.get(id(module)))
+        with torch._dynamo.config.patch(ignore_logging_functions=self.cap._ignored_logging,
+                                        recompile_limit=BLOCK_SIGNATURES), \
+                _unlogged_trace_headers_skipped():
+            return self.compiled(module, forward, args, kwargs)
+
+    def _hooked_inside(self, module: nn.Module) -> bool:
+        if id(module) in self.unhooked:
+            return True
+        next_id = torch.utils.hooks.RemovableHandle.next_id
+        if next_id == self.seen:
+            return False
+        changed = [k for k, mods in self.inner.items() if hooks_of(mods) != self.hooks[k]]
+        if not changed:
+            self.seen = next_id
+            return False
+        for k in changed:
+            if k not in self.unhooked:
+                warnings.warn("rewriter: hooks were added inside a rewritten block after optimize(); "
+                              "that instance runs its original forward so they run (call optimize() "
+                              "again to rewrite with them)", stacklevel=4)
+            self.unhooked.add(k)
+        return id(module) in self.unhooked
+
+
+def _calling_frames(model: nn.Module, blocks: list[Any]) -> list[types.CodeType]:
+    """Code objects of the forwards that call block instances: the module holding each instance,
+    directly or through a ModuleList/Sequential/ModuleDict, with the decorators wrapped around
+    its forward. torch.nn's own classes are left alone (their code serves every model)."""
+    modules = dict(model.named_modules())
+    containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+    codes: dict[int, types.CodeType] = {}
+    for b in blocks:
+        for name, _ in b.instances:
+            parent = name.rpartition(".")[0]
+            while parent and isinstance(modules.get(parent), containers):
+                parent = parent.rpartition(".")[0]
+            holder = modules.get(parent)
+            if holder is None or type(holder).__module__.split(".")[0] == "torch":
+                continue
+            fn: Any = type(holder).forward
+            while fn is not None:
+                code = getattr(fn, "__code__", None)
+                if code is not None:
+                    codes[id(code)] = code
+                fn = getattr(fn, "__wrapped__", None)
+    return list(codes.values())
+
+
+def _layer_index(block: nn.Module) -> int | None:
+    for m in block.modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int) and not isinstance(idx, bool):
+            return idx
+    return None
+
+
+class _LayerCache:
+    """One layer of a transformers ``Cache``, as the block writing it sees it: ``update(k, v,
+    layer_idx)`` writes this layer whatever index it is given, so every instance's graph reads
+    the same attributes and one graph serves them all. Anything else is the cache's own."""
+
+    def __init__(self, cache: Any, layer: Any) -> None:
+        self.__dict__["_cache"] = cache
+        self.__dict__["layer"] = layer
+
+    def update(self, key_states: Any, value_states: Any, layer_idx: Any = None, *args: Any,
+               **kwargs: Any) -> Any:
+        return self.layer.update(key_states, value_states, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_cache"], name)
+
+
+def _one_layer_caches(args: tuple, kwargs: dict, idx: int | None) -> tuple[tuple, dict]:
+    if idx is None:
+        return args, kwargs
+
+    def view(x: Any) -> Any:
+        layers = getattr(x, "layers", None)
+        if not (type(x).__name__.endswith("Cache") and isinstance(layers, list)
+                and callable(getattr(x, "update", None))) or getattr(x, "offloading", False):
+            return x
+        grow = getattr(x, "layer_class_to_replicate", None)
+        while grow is not None and len(layers) <= idx:
+            layers.append(grow())
+        return _LayerCache(x, layers[idx]) if idx < len(layers) else x
+    return tuple(view(a) for a in args), {k: view(v) for k, v in kwargs.items()}

@@ -1,0 +1,235 @@
+"""The graph compiler as one more gated candidate, decided on the whole step.
+
+After the rewrites are decided and confirmed, each executor the device has
+(rewriter.devices.executors) compiles the model as it now runs (the rewritten graphs, else the
+original model). The compiled form is verified like any rewrite (outputs and gradients against
+the original's, per-dtype bounds, the float64 yardstick beyond them) and timed against the
+rewritten eager step (training: forward + backward + optimizer step; inference: forward), with
+the same rules as every step-scope decision (:func:`rewriter.decide.gate.decide`: margin, noise, busy
+machine). It is kept only when measurably faster::
+
+    CompileGate(run).decide()          # optimize(compile=True)
+    CompileGate(run).replay(entry)     # a plan's {"executor": ..., "kept": True}: no measuring
+
+Compile seconds (the first compiled step) are reported apart from measuring: the phase
+"compile" and ``measurement["compile_seconds"]`` of the decision row. A compile that raises is
+reported with its reason and the eager graphs run. The decision goes into the knowledge base
+(keyed by executor, device, versions, mode, dtype, the rewritten graphs and the inputs) and the
+plan, so a later run compiles and verifies but does not measure again.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+from rewriter import plan as plans
+from rewriter.capture.front_ends import DynamoCapture, FxCapture
+from rewriter.capture.ir import structure_signature
+from rewriter.decide.gate import Step, decide, known_verdict, measure
+from rewriter.decide.job import switched
+from rewriter.decide.knowledge import entry_key
+from rewriter.decide.run_view import RunView
+from rewriter.decide.verify import compare_runs, dropout_disabled, tolerance_for
+from rewriter.devices.executors import Executor, compiled_runner, executors_for, has_dropout
+from rewriter.report import Decision
+
+log = logging.getLogger("rewriter.progress")
+
+NAME = "compile"  # the decision row's pass_name
+AUTO_ON_CPU = ("compile: not tried (compile='auto' does not compile on CPU: Inductor's first "
+               "compile costs tens of seconds here and pays off only on some models; pass "
+               "compile=True to measure it)")
+
+
+class CompileGate:
+    """The compile decision of one Run. Sets ``run.compiled`` (how the wrapper runs the
+    compiled form, or None) and ``run.compile_plan`` (the plan's record of the decision)."""
+
+    def __init__(self, run: RunView) -> None:
+        self.run = run
+
+    # --- deciding ------------------------------------------------------------------------------
+    def decide(self) -> None:
+        r = self.run
+        choice = r.settings.compile
+        if choice is False:
+            return
+        if choice == "auto" and r.job.backend.name == "cpu":
+            # a note, not a decision row: nothing was tried
+            r.report.notes.append(AUTO_ON_CPU)
+            return
+        found, declined = executors_for(r.job.backend, True if choice == "auto" else choice,
+                                        r.job.training)
+        if not found:
+            r.report.decisions.append(Decision(NAME, False, "not available",
+                                               "; ".join(declined) or "no executor", scope="step"))
+            return
+        if declined:
+            r.report.notes.append("compile: not tried: " + "; ".join(declined))
+        tried = [self._try(ex) for ex in found]
+        kept = [(d, runner, ex) for d, runner, ex in tried if d.kept]
+        best = max(kept, key=lambda t: t[0].speedup or 0.0) if kept else None
+        for d, _, ex in tried:
+            if best is not None and d.kept and ex is not best[2]:
+                d.kept, d.status = False, "rejected"
+                d.reason = f"{best[2].name} is faster still; {d.reason}"
+            r.report.decisions.append(d)
+            log.info("rewriter: compile (%s): %s: %s", ex.name, d.status, d.reason)
+        if best is not None:
+            self._install(best[1], best[2])
+        else:
+            r.compile_plan = {"executor": found[0].name, "kept": False}
+
+    def _try(self, ex: Executor) -> tuple[Decision, Callable[..., Any] | None, Executor]:
+        r = self.run
+        runner, compile_s, problem = self._build(ex)
+        if problem is not None:
+            return self._failed(ex, "raised", problem), None, ex
+        ok, detail, err = self._verify(runner)
+        if not ok:
+            return self._failed(ex, "failed verification", detail, err), None, ex
+        key = self._key(ex)
+        known = r.settings.knowledge_base.get(key)
+        g = r.settings.gate
+        if known is not None:
+            keep, reason = known_verdict(known, r.settings.min_speedup, g.noise_widths)
+            m_dict = dict(known)
+        else:
+            # Compiling was asked for: past the budget, still time for the fewest pairs of the
+            # two steps (twice the step check's reserve: warm-up included); never kept unmeasured.
+            deadline = None if r.deadline is None else max(
+                r.deadline, time.perf_counter() + 2 * r._confirm_reserve())
+            with r._phase("measure"):
+                m = measure(r.composed_step(), self._step(runner), clock=r.clock, settings=g,
+                            min_speedup=r.settings.min_speedup, deadline=deadline)
+            r.snapshot.restore()
+            keep, reason = decide(m, r.settings.min_speedup, g.noise_widths)
+            m_dict = m.to_dict()
+            if m.storable(g.min_pairs):
+                r.settings.knowledge_base.put(key, {**m_dict, "pass": NAME, "executor": ex.name})
+        m_dict["compile_seconds"] = round(compile_s, 3)
+        d = Decision(NAME, keep, "kept" if keep else "rejected",
+                     f"{ex.name}, whole step: {reason}; first compiled step {compile_s:.1f} s",
+                     speedup=m_dict.get("speedup"), noise=m_dict.get("noise"), max_abs_error=err,
+                     sites=[ex.name], measurement=m_dict, verification=detail, scope="step")
+        return d, runner, ex
+
+    # --- replaying a plan ----------------------------------------------------------------------
+    def replay(self, entry: dict | None) -> None:
+        """Compile as the plan says, verify, keep without measuring."""
+        r = self.run
+        if not entry or not entry.get("kept") or r.settings.compile is False:
+            return
+        choice = r.settings.compile if callable(r.settings.compile) else entry["executor"]
+        try:
+            found, declined = executors_for(r.job.backend, choice, r.job.training)
+        except ValueError as e:
+            found, declined = [], [str(e)]
+        if not found:
+            r.report.decisions.append(Decision(NAME, False, "not available",
+                                               "; ".join(declined), scope="step"))
+            return
+        ex = found[0]
+        runner, compile_s, problem = self._build(ex)
+        if problem is not None:
+            r.report.decisions.append(self._failed(ex, "raised", problem))
+            return
+        ok, detail, err = self._verify(runner)
+        if not ok:
+            r.report.decisions.append(self._failed(ex, "failed verification", detail, err))
+            return
+        r.report.decisions.append(Decision(
+            NAME, True, "replayed", f"{ex.name}: from plan, not measured; first compiled step "
+            f"{compile_s:.1f} s", max_abs_error=err, sites=[ex.name],
+            measurement={"compile_seconds": round(compile_s, 3)}, verification=detail, scope="step"))
+        self._install(runner, ex)
+
+    # --- parts ---------------------------------------------------------------------------------
+    def _build(self, ex: Executor) -> tuple[Callable[..., Any] | None, float, str | None]:
+        """The compiled runner, compiled by one step run through it (its time is the compile
+        time the user pays at the first step)."""
+        r = self.run
+        t0 = time.perf_counter()
+        try:
+            with r._phase("compile"):
+                runner = compiled_runner(r.job.model, r.cap if r.kept else None, ex.resolve(),
+                                         r._on_new_graph)
+                self._step(runner).run()
+        except Exception as e:  # the backend raised: the eager graphs run
+            return None, time.perf_counter() - t0, f"{ex.name} raised while compiling: {type(e).__name__}: {e}"
+        finally:
+            r.snapshot.restore()
+        return runner, time.perf_counter() - t0, None
+
+    def _step(self, runner: Callable[..., Any]) -> Step:
+        """The composed step (rewrites kept, fused optimizer kept) with the compiled runner."""
+        r = self.run
+        base = r.composed_step()
+        twin = r.fused_opt.twin(r.job.optimizer) if r.fused_opt is not None else None
+        inner = r.job.step(runner, optimizer=twin)
+
+        def run() -> None:
+            with switched(r.cap.switch, use_candidate=False):
+                inner()
+        return Step(run, base.passes + (NAME,), "compiled")
+
+    def _verify(self, runner: Callable[..., Any]) -> tuple[bool, str, float | None]:
+        """Against the original's numerics, as a composed rewrite is. Dropout is off in the
+        reference; a compiled graph with dropout is verified in a compile with it off (once
+        more), one without runs as compiled."""
+        r = self.run
+        quiet = dropout_disabled() if r.job.training and has_dropout(r.cap, r.job.model) \
+            else contextlib.nullcontext()
+        try:
+            with r._phase("verify"):
+                got = r.job.numerics(runner, deterministic=quiet)
+        except Exception as e:
+            return False, f"the compiled model raised when run: {type(e).__name__}: {e}", None
+        finally:
+            r.snapshot.restore()
+        tol = tolerance_for(r.job.dtype)
+        c = compare_runs(got, r.reference.values, tol)
+        if not c.ok:
+            y = r.reference.yardstick()
+            if y is not None:  # the rewrites' rounding and the compiler's add up, as composed
+                y = dataclasses.replace(y, factor=2 * y.factor)
+            c = compare_runs(got, r.reference.values, tol, yardstick=y)
+        return c.ok, c.describe(), c.max_abs_error
+
+    def _failed(self, ex: Executor, status: str, reason: str, err: float | None = None) -> Decision:
+        log.warning("rewriter: compile (%s): %s; the eager graphs run", ex.name, reason)
+        return Decision(NAME, False, status, f"{reason}; the eager graphs run", max_abs_error=err,
+                        sites=[ex.name], scope="step")
+
+    def _key(self, ex: Executor) -> str:
+        r = self.run
+        graphs = [structure_signature(s.kept_run) for s in r.cap.slots] if r.kept \
+            else [structure_signature(s.original) for s in r.cap.slots]
+        text = "|".join([NAME, ex.name, r.job.backend.name, r.job.mode, str(r.job.dtype),
+                         plans.graph_hash(graphs), ",".join(plans.input_signature(r.job.args, r.job.kwargs)),
+                         ",".join(kp.name for kp in r.kept),
+                         r.fused_opt.description if r.fused_opt else "-"])
+        return entry_key(text, r.job.step_knowledge_key())
+
+    def _install(self, runner: Callable[..., Any], ex: Executor) -> None:
+        """What the wrapper runs from now on (OptimizedModel's ``_compiled`` layout)."""
+        r = self.run
+        if not r.kept:
+            r.compiled = {"original": runner}
+        elif isinstance(r.cap, DynamoCapture):
+            r.compiled = {"dynamo": runner}
+            if hasattr(runner, "keep"):  # regional: the installed blocks run compiled too
+                runner.keep()
+        elif isinstance(r.cap, FxCapture):
+            r.cap.slots[0].compiled = runner.fn  # the capture now runs the compiled graph
+            r.compiled = {"fx": ex.resolve()}
+        r.compile_plan = {"executor": ex.name, "kept": True}
+        if not r.report.final.get("kept"):  # no rewrite kept: the original model, compiled, runs
+            r.report.final["kept"] = True
+            r.report.final["reason"] = (f"{r.report.final.get('reason', 'no rewrite was kept')}; "
+                                        f"the model compiled with {ex.name} runs")
+        r.report.final["compiled"] = ex.name
+        r.report.notes.append(f"compiled with {ex.name} (gated on the whole step)")

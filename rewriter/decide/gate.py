@@ -1,0 +1,352 @@
+"""The gate: measure two variants side by side and decide whether to keep one.
+
+Baseline and candidate run interleaved in one process after a warm-up, in alternating order
+(A B, B A, A B, ...) so drift in clock speed or cache state hits both alike. The decision reads
+the median of the paired ratios ``t_baseline / t_candidate`` and its noise, the standard error of
+that median estimated from the ratios' spread (1.4826 * MAD, times 1.2533 / sqrt(n))::
+
+    m = measure(baseline, candidate, clock=WallClock(backend.synchronize), settings=GateSettings())
+    keep, reason = decide(m, min_speedup=1.05)
+
+A candidate is kept only when its speedup is at least ``min_speedup`` and the speedup less two
+noise widths is still above 1: a result the noise could explain is no result.
+
+A busy machine: load from other processes only ever makes a sample slower, so a sample far
+above its own variant's lower decile (``outlier_factor`` times it) is flagged and left out
+of the statistics. When more than ``max_flagged`` of the pairs are flagged, the comparison is
+measured again once; flagged again, it is "inconclusive: the machine was busy", never a keep.
+
+The variants are whole steps (``scope="step"``) or one site's region (``scope="region"``,
+repeated ``reps`` times per sample so a sample is well above the timer's resolution).
+Unit tests replace the clock by one that returns controlled times (``tests/controlled.py``);
+real timings belong in benchmarks.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One runnable variant of the user's step. ``passes`` names the rewrites it contains."""
+
+    run: Callable[[], None]
+    passes: tuple[str, ...]
+    label: str
+    scope: str = "step"  # "step" (the user's whole step), "region" (one site's region), "optimizer"
+    reps: int = 1        # runs of the region per sample
+
+
+class Clock(Protocol):
+    def time(self, step: Step) -> float:
+        """Run ``step`` once and return its duration in seconds."""
+
+
+class WallClock:
+    """Host clock around a device-synchronised step (seconds per run of the region or step)."""
+
+    def __init__(self, synchronize: Callable[[], None] = lambda: None) -> None:
+        self.synchronize = synchronize
+
+    def time(self, step: Step) -> float:
+        self.synchronize()
+        start = time.perf_counter()
+        step.run()
+        self.synchronize()
+        return time.perf_counter() - start
+
+
+class EventClock:
+    """Device-side timer: events recorded on the device's stream around the step (CUDA events,
+    or torch_npu's ``torch.npu.Event``), so host-side jitter does not enter the sample."""
+
+    def __init__(self, device_module: Any) -> None:
+        self.device = device_module
+
+    def time(self, step: Step) -> float:
+        start = self.device.Event(enable_timing=True)
+        end = self.device.Event(enable_timing=True)
+        start.record()
+        step.run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def device_clock(backend: Any) -> Clock:
+    """The best clock the backend has: device events on CUDA and NPU, else the host clock."""
+    import torch
+    module = {"cuda": getattr(torch, "cuda", None), "npu": getattr(torch, "npu", None)}.get(backend.name)
+    if module is not None and hasattr(module, "Event"):
+        return EventClock(module)
+    return WallClock(backend.synchronize)
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """How long to measure. The budget is per comparison; the pair counts bound it."""
+
+    warmup: int = 2
+    warmup_seconds: float = 0.5  # caches, allocator and thread pools settle before timing
+    max_warmup: int = 10
+    min_pairs: int = 6
+    max_pairs: int = 40
+    budget_seconds: float = 4.0
+    noise_widths: float = 2.0
+    region_sample_seconds: float = 0.003  # a region sample repeats the region this long
+    region_warmup_seconds: float = 0.05   # a region (and the optimizer step) is small: settles fast
+    region_max_pairs: int = 200  # region samples are short: more pairs, same budget
+    region_min_pairs: int = 10   # and no early verdict on a handful of them
+    # a region that sits near the margin is not measured for ever: past this, its figures
+    # decide (kept only when clear of the margin by its noise)
+    region_budget_seconds: float = 1.5
+    negligible: float = 0.001    # a region saving less than this share of the step is not kept
+    confirm_pairs: int = 4  # the step check: fewest pairs (the models ran warm just before)
+    confirm_unanimous_pairs: int = 2  # ... fewer when every one of these points faster
+    outlier_factor: float = 1.5  # a sample this many times its variant's lower decile is flagged
+    max_flagged: float = 0.25    # more flagged pairs than this: measure again, then inconclusive
+    regression: float = 0.98     # the step check reverts only below this ratio (and the noise)
+
+
+@dataclass
+class Measurement:
+    baseline_times: list[float] = field(default_factory=list)
+    candidate_times: list[float] = field(default_factory=list)
+    outlier_factor: float = math.inf
+    reps: int = 1
+    remeasured: bool = False  # the first try had too many flagged samples
+    busy: bool = False        # so had the second: no conclusion
+    earlier: tuple[list[float], list[float]] | None = None  # an earlier try's samples
+    out_of_time: bool = False  # stopped by the deadline before the fewest pairs
+
+    @property
+    def flagged(self) -> list[bool]:
+        """Per pair: a sample of it far above its own variant's usual (lower-decile) time."""
+        if not self.baseline_times:
+            return []
+        earlier_a, earlier_b = self.earlier or ([], [])
+        lo_a = _lower_decile(self.baseline_times + earlier_a)
+        lo_b = _lower_decile(self.candidate_times + earlier_b)
+        f = self.outlier_factor
+        return [a > f * lo_a or b > f * lo_b
+                for a, b in zip(self.baseline_times, self.candidate_times)]
+
+    @property
+    def flagged_fraction(self) -> float:
+        flags = self.flagged
+        return sum(flags) / len(flags) if flags else 0.0
+
+    def _good(self) -> list[tuple[float, float]]:
+        return [(a, b) for (a, b), bad in zip(zip(self.baseline_times, self.candidate_times),
+                                              self.flagged) if not bad and b > 0]
+
+    @property
+    def ratios(self) -> list[float]:
+        return [a / b for a, b in self._good()]
+
+    @property
+    def pairs(self) -> int:
+        return len(self.ratios)
+
+    @property
+    def speedup(self) -> float:
+        return statistics.median(self.ratios) if self.ratios else math.nan
+
+    @property
+    def noise(self) -> float:
+        """Standard error of the median ratio (robust: from the median absolute deviation)."""
+        r = self.ratios
+        if len(r) < 2:
+            return math.inf
+        med = statistics.median(r)
+        mad = statistics.median(abs(x - med) for x in r)
+        return 1.2533 * 1.4826 * mad / math.sqrt(len(r))
+
+    @property
+    def baseline_ms(self) -> float:
+        """Median time of one run of the baseline (a region sample divided by its repeats)."""
+        good = self._good()
+        return 1e3 * statistics.median(a for a, _ in good) / self.reps if good else math.nan
+
+    @property
+    def candidate_ms(self) -> float:
+        """The baseline's time divided by the speedup, so the two figures always agree."""
+        s = self.speedup
+        return self.baseline_ms / s if s and math.isfinite(s) else math.nan
+
+    @property
+    def saved_ms(self) -> float:
+        return self.baseline_ms - self.candidate_ms
+
+    def storable(self, min_pairs: int) -> bool:
+        """Worth a knowledge-base entry: completed on enough pairs, not spoiled by a busy machine."""
+        return not self.busy and not self.out_of_time and self.pairs >= min_pairs
+
+    def to_dict(self) -> dict:
+        return {"speedup": _finite(self.speedup), "noise": _finite(self.noise), "pairs": self.pairs,
+                "baseline_ms": _finite(self.baseline_ms), "candidate_ms": _finite(self.candidate_ms),
+                "flagged": sum(self.flagged), "reps": self.reps, "remeasured": self.remeasured,
+                "busy": self.busy, "out_of_time": self.out_of_time}
+
+
+def _lower_decile(times: list[float]) -> float:
+    """Load only ever slows a sample down: the lower decile is the variant's unloaded time
+    even when a burst hit most samples, and a load that lasts the whole comparison (which
+    slows both variants alike) moves it with the samples."""
+    ordered = sorted(times)
+    return ordered[(len(ordered) - 1) // 10]
+
+
+def _finite(x: float) -> float | None:
+    return None if x is None or not math.isfinite(x) else round(x, 6)
+
+
+def _conclusive(m: Measurement, min_speedup: float, widths: float) -> bool:
+    """True once more pairs could not change the decision's direction."""
+    s, n = m.speedup, m.noise
+    return s - widths * n > max(1.0, min_speedup) or s + widths * n < min_speedup
+
+
+def measure(baseline: Step, candidate: Step, *, clock: Clock, settings: GateSettings,
+            min_speedup: float = 1.0, deadline: float | None = None,
+            enough: Callable[[Measurement], bool] | None = None,
+            early: Callable[[Measurement], bool] | None = None) -> Measurement:
+    """Interleaved A/B timing of two variants; stops early once the result is conclusive, at
+    the settings' budget, or at ``deadline`` (a ``time.perf_counter()`` value), after
+    ``min_pairs`` in any case. Too many flagged samples: measured once more (see the module).
+
+    ``enough``: when the pairs so far answer the caller's question (default: more pairs could
+    not change the keep/reject decision under ``min_speedup``). ``early``: when fewer than
+    ``min_pairs`` pairs, none flagged, already answer it (the step check's unanimous pairs)."""
+    if not _warm_up(baseline, candidate, settings, deadline):
+        return Measurement(outlier_factor=settings.outlier_factor, reps=max(baseline.reps, 1),
+                           out_of_time=True)
+    if enough is None:
+        def enough(m: Measurement) -> bool:
+            return _conclusive(m, min_speedup, settings.noise_widths)
+    m = _pairs(baseline, candidate, clock, settings, enough, deadline, early=early)
+    if m.flagged_fraction > settings.max_flagged and not m.out_of_time \
+            and (deadline is None or time.perf_counter() < deadline):
+        log.info("rewriter: %s vs %s: %d of %d samples far above their variant's usual time (a busy "
+                 "machine?); measuring again", baseline.label, candidate.label, sum(m.flagged),
+                 len(m.flagged))
+        earlier = (m.baseline_times, m.candidate_times)
+        m = _pairs(baseline, candidate, clock, settings, enough, deadline, earlier, early)
+        m.remeasured = True
+        m.busy = m.flagged_fraction > settings.max_flagged
+    elif m.flagged_fraction > settings.max_flagged:
+        m.busy = True  # no time left to measure again
+    return m
+
+
+def _warm_up(baseline: Step, candidate: Step, settings: GateSettings, deadline: float | None) -> bool:
+    """Run both variants untimed until caches settle. Like a pair, a warm-up round is not
+    started that would end past the deadline (predicted from the longest round so far); False
+    when the deadline cuts the warm-up short, so nothing would be timed warm."""
+    warm_start = time.perf_counter()
+    longest = 0.0
+    for i in range(max(settings.warmup, settings.max_warmup)):
+        now = time.perf_counter()
+        if i >= settings.warmup and now - warm_start >= settings.warmup_seconds:
+            break
+        if _next_ends_past(deadline, longest):
+            return False
+        baseline.run()
+        candidate.run()
+        longest = max(longest, time.perf_counter() - now)
+    return True
+
+
+def _next_ends_past(deadline: float | None, longest: float) -> bool:
+    """A round started now that takes as long as the longest so far would end past ``deadline``."""
+    return deadline is not None and time.perf_counter() + longest > deadline
+
+
+def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings,
+           enough: Callable[[Measurement], bool], deadline: float | None,
+           earlier: tuple[list[float], list[float]] | None = None,
+           early: Callable[[Measurement], bool] | None = None) -> Measurement:
+    m = Measurement(outlier_factor=settings.outlier_factor, reps=max(baseline.reps, 1),
+                    earlier=earlier)
+    started = time.perf_counter()
+    longest = 0.0  # wall time of the longest pair so far: the next one may take as long
+    for i in range(settings.max_pairs):
+        first, second = (baseline, candidate) if i % 2 == 0 else (candidate, baseline)
+        t0 = time.perf_counter()
+        t_first, t_second = clock.time(first), clock.time(second)
+        longest = max(longest, time.perf_counter() - t0)
+        a, b = (t_first, t_second) if first is baseline else (t_second, t_first)
+        m.baseline_times.append(a)
+        m.candidate_times.append(b)
+        if early is not None and i + 1 < settings.min_pairs and not any(m.flagged) and early(m):
+            break
+        # A pair is not started that would end past the deadline (a 1 s step makes 2 s pairs).
+        past_deadline = _next_ends_past(deadline, longest)
+        if past_deadline and i + 1 < settings.min_pairs:
+            m.out_of_time = True  # the budget ends here: no verdict from a few pairs
+            break
+        if i + 1 >= settings.min_pairs and (
+                (m.flagged_fraction <= settings.max_flagged and enough(m))
+                or time.perf_counter() - started > settings.budget_seconds or past_deadline):
+            break
+    return m
+
+
+def figure(m: Measurement) -> str:
+    """The measurement in words; the two times agree with the ratio by construction."""
+    flagged = sum(m.flagged)
+    extra = f", {flagged} flagged sample(s) left out" if flagged else ""
+    return _figure(m.speedup, m.noise, m.pairs, m.baseline_ms, m.candidate_ms, extra)
+
+
+def _figure(s: float, n: float, pairs: int, base_ms: float | None, cand_ms: float | None,
+            extra: str = "") -> str:
+    times = (f" ({base_ms:.3f} ms -> {cand_ms:.3f} ms)"
+             if base_ms is not None and cand_ms is not None else "")
+    return f"{s:.3f}x ±{n:.3f} over {pairs} pairs{extra}{times}"
+
+
+def decide(m: Measurement, min_speedup: float, noise_widths: float = 2.0) -> tuple[bool, str]:
+    """Keep or not, and the reason in words."""
+    if m.out_of_time:
+        return False, f"not reached: the time budget ran out after {len(m.baseline_times)} pair(s)"
+    if m.busy:
+        return False, (f"inconclusive: the machine was busy ({sum(m.flagged)} of {len(m.flagged)} "
+                       f"samples over {m.outlier_factor:g}x their variant's usual time, measured twice)")
+    if not math.isfinite(m.speedup) or m.pairs < 2:
+        return False, "no measurement"
+    return _verdict(m.speedup, m.noise, min_speedup, noise_widths, figure(m))
+
+
+def verdict(speedup: float, noise: float, pairs: int, min_speedup: float, noise_widths: float,
+            baseline_ms: float | None = None, candidate_ms: float | None = None) -> tuple[bool, str]:
+    """:func:`decide` for stored figures (the knowledge base), under today's margin."""
+    if speedup is None or noise is None or not math.isfinite(speedup) or pairs < 2:
+        return False, "no measurement"
+    return _verdict(speedup, noise, min_speedup, noise_widths,
+                    _figure(speedup, noise, pairs, baseline_ms, candidate_ms))
+
+
+def known_verdict(known: dict, min_speedup: float, noise_widths: float) -> tuple[bool, str]:
+    """:func:`verdict` for a knowledge-base entry (rewriter.decide.knowledge), under today's margin;
+    the reason says where the figures came from."""
+    keep, reason = verdict(known["speedup"], known["noise"], known["pairs"], min_speedup,
+                           noise_widths, known["baseline_ms"], known["candidate_ms"])
+    return keep, f"{reason} (knowledge base, measured {known.get('recorded', '')})"
+
+
+def _verdict(s: float, n: float, min_speedup: float, noise_widths: float, text: str) -> tuple[bool, str]:
+    if s < 1.0:
+        return False, f"slower: {text}"
+    if s < min_speedup:
+        return False, f"below min_speedup {min_speedup:g}: {text}"
+    if s - noise_widths * n <= 1.0:
+        return False, f"within noise: {text}"
+    return True, f"faster: {text}"

@@ -1,0 +1,119 @@
+"""The fused optimizer, gated on its own step (it has no region in the graph).
+
+The update runs on scratch copies of the parameters, gradients and state (the user's are not
+touched): first 5 steps from the same state must give the same parameters as the original
+optimizer, then the two steps are timed side by side like any other candidate::
+
+    decision, chosen = gate_optimizer(job, clock, gate_settings, min_speedup, knowledge_base=kb)
+
+Its timing is stored in the knowledge base under a signature of the step (optimizer class, the
+flags that choose its kernels, the parameters' shapes and dtypes, device, versions), like a
+region's: a second run of the same training job verifies the fused step again (cheap, and
+never taken from the knowledge base) but does not time it again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from rewriter.decide.gate import Clock, GateSettings, Step, decide, known_verdict, measure
+from rewriter.decide.job import Job
+from rewriter.decide.knowledge import KnowledgeBase, entry_key
+from rewriter.decide.verify import Tolerance, compare_runs
+from rewriter.devices import optimizers
+from rewriter.report import Decision
+
+# The bar for a fused optimizer: 5 steps within 1e-5 of the original's parameters.
+OPTIMIZER_STEPS = 5
+OPTIMIZER_TOLERANCE = Tolerance(rtol=1e-5, atol_scale=1e-6)
+
+
+# How the optimizer's own step is timed, in its knowledge-base key: version 2 warms it up for a
+# region's time (2 rounds), where version 1 warmed it up for a whole step's (up to 10 rounds).
+# Figures timed another way are measured again, not replayed.
+OPTIMIZER_TIMING = "2"
+
+# Group options that choose how the update runs (its kernel and its work), unlike lr or betas.
+_KERNEL_FLAGS = ("foreach", "fused", "amsgrad", "maximize", "capturable", "differentiable",
+                 "decoupled_weight_decay", "nesterov", "centered", "momentum")
+
+
+def step_signature(optimizer: Any, cand: optimizers.OptimizerCandidate, device: str) -> str:
+    """What makes two optimizer steps one timing: readable text (hashed into a key)."""
+    groups = []
+    for g in optimizer.param_groups:
+        flags = {k: g[k] for k in _KERNEL_FLAGS if k in g and isinstance(g[k], (bool, int, float, type(None)))}
+        flags["weight_decay"] = bool(g.get("weight_decay"))
+        shapes = [[list(p.shape), str(p.dtype)] for p in g["params"] if p.requires_grad]
+        groups.append({"flags": flags, "params": hashlib.sha256(
+            json.dumps(shapes).encode()).hexdigest()[:16], "count": len(shapes)})
+    return json.dumps({"pass": "fuse_optimizer", "optimizer": type(optimizer).__name__,
+                       "candidate": cand.description, "device": device, "groups": groups},
+                      sort_keys=True)
+
+
+def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: float,
+                   replace_allowed: bool = True, deadline: float | None = None,
+                   knowledge_base: KnowledgeBase | None = None
+                   ) -> tuple[Decision, optimizers.OptimizerCandidate | None]:
+    """Try the fused forms of the job's optimizer; the first that passes wins."""
+    found, why_none = optimizers.candidates(job.optimizer, job.backend)
+    if not replace_allowed:
+        found = [c for c in found if c.flags is not None]
+        why_none += "; optimize() without example inputs can only switch the optimizer in place"
+    if not found:
+        return Decision("fuse_optimizer", False, "not applicable", why_none, scope="step"), None
+    tried = []
+    for cand in found:
+        ok, detail, err = optimizer_numerics(job.optimizer, cand)
+        if not ok:
+            tried.append(f"{cand.description}: failed verification ({detail})")
+            continue
+        key = entry_key(step_signature(job.optimizer, cand, job.backend.name),
+                        {**job.backend.knowledge_key(), "optimizer timing": OPTIMIZER_TIMING})
+        known = knowledge_base.get(key) if knowledge_base is not None else None
+        if known is not None:
+            figures, speedup, noise = known, known["speedup"], known["noise"]
+            keep, reason = known_verdict(known, min_speedup, settings.noise_widths)
+        else:
+            base, _ = optimizers.scratch_optimizer(job.optimizer, None, seed=1)
+            fused, _ = optimizers.scratch_optimizer(job.optimizer, cand, seed=1)
+            # An optimizer step reads only parameters, gradients and state: like a region, it
+            # settles within its first calls (the first allocates the state), so it warms up
+            # for a region's time, not for a whole step's.
+            quick = dataclasses.replace(settings, warmup_seconds=settings.region_warmup_seconds)
+            m = measure(Step(base.step, (), "optimizer step", scope="optimizer"),
+                        Step(fused.step, ("fuse_optimizer",), "fused step", scope="optimizer"),
+                        clock=clock, settings=quick, min_speedup=min_speedup, deadline=deadline)
+            keep, reason = decide(m, min_speedup, settings.noise_widths)
+            figures = m.to_dict()  # (finite figures or None: a cut-short warm-up has no pair)
+            speedup, noise = figures["speedup"], figures["noise"]
+            if knowledge_base is not None and m.storable(settings.min_pairs):
+                knowledge_base.put(key, {**figures, "pass": "fuse_optimizer",
+                                         "example": cand.description})
+        decision = Decision("fuse_optimizer", keep, "kept" if keep else "rejected",
+                            f"{cand.description}, on its own step: {reason}",
+                            speedup=speedup, noise=noise, max_abs_error=err,
+                            sites=[cand.description], measurement=figures, scope="step")
+        if keep:
+            return decision, cand
+        tried.append(decision.reason)
+    return Decision("fuse_optimizer", False, "rejected", "; ".join(tried),
+                    sites=[c.description for c in found], scope="step"), None
+
+
+def optimizer_numerics(optimizer, cand: optimizers.OptimizerCandidate) -> tuple[bool, str, float | None]:
+    try:
+        base, base_params = optimizers.scratch_optimizer(optimizer, None)
+        fused, fused_params = optimizers.scratch_optimizer(optimizer, cand)
+        for _ in range(OPTIMIZER_STEPS):
+            base.step()
+            fused.step()
+    except Exception as e:
+        return False, f"raised: {type(e).__name__}: {e}", None
+    got = {f"param {i}": p.detach() for i, p in enumerate(fused_params)}
+    want = {f"param {i}": p.detach() for i, p in enumerate(base_params)}
+    c = compare_runs(got, want, OPTIMIZER_TOLERANCE)
+    return c.ok, c.describe(), c.max_abs_error

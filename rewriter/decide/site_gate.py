@@ -1,0 +1,246 @@
+"""Verify and time one region on its own: the original nodes against their replacement.
+
+The inputs are the boundary values recorded in the model's own run (rewriter.capture.record). In
+training a region runs forward and backward: the gradients of every boundary input that
+required grad (activations and parameters alike) with a fixed random cotangent on each output,
+so the fused backward is what is measured and checked::
+
+    ok, detail, err = verify_region(region, values, training=True)
+    m = measure_region(region, values, training=True, clock=clock, settings=settings)
+
+Verification compares the replacement with the original at the region's own precision, and,
+where the elementwise bound is exceeded, with a float64 run of the original region as the
+yardstick (rewriter.decide.verify): the error is attributed to the site, at any model size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable
+
+import torch
+from torch.fx import GraphModule
+from torch.utils._pytree import tree_leaves
+
+from rewriter.capture.record import Recorded
+from rewriter.capture.region import Region, dtype_of_region
+from rewriter.decide.gate import Clock, GateSettings, Measurement, Step, measure
+from rewriter.decide.verify import (
+    FLOAT64_FACTOR,
+    Comparison,
+    Yardstick,
+    compare_runs,
+    dropout_disabled,
+    tolerance_for,
+)
+
+REGION_SEED = 20261201
+# How a region is timed, in its knowledge-base key: a change that moves its figures (version 2
+# drew each output's cotangent once, where version 1 drew it inside every timed call) must not
+# replay figures measured the old way.
+REGION_TIMING = "2"
+
+
+def _cotangent(i: int, t: torch.Tensor) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device, t.dtype)
+
+
+class RegionCall:
+    """One region form, ready to run on prepared inputs (forward, or forward + backward)."""
+
+    def __init__(self, gm: GraphModule, values: list[Recorded], training: bool,
+                 float64: bool = False) -> None:
+        self.gm, self.training = gm, training
+        self.inputs: list[Any] = []
+        self.grad_inputs: list[int] = []
+        for i, r in enumerate(values):
+            v = r.value
+            if isinstance(v, torch.Tensor):
+                v = v.detach()
+                if float64 and v.is_floating_point():
+                    v = v.to(torch.float64)
+                if training and r.requires_grad:
+                    v = v.detach().requires_grad_(True)  # a leaf of our own; storage shared
+                    self.grad_inputs.append(i)
+            self.inputs.append(v)
+        # Drawn once per output: a float64 draw costs about as much as the region itself
+        # (9 ms for 4 x 256 x 256 here), and inside the timed call it would dilute every ratio.
+        self._cotangents: dict[int, torch.Tensor] = {}
+
+    def run(self) -> tuple[tuple, tuple]:
+        """One run, what is timed: the outputs and the input gradients (training)."""
+        with torch.enable_grad() if self.training else torch.no_grad():
+            outs = self.gm(*self.inputs)
+            grads = self._backward(outs) if self.training and self.grad_inputs else ()
+        return outs, grads
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        """One run; outputs and input gradients by name (for verification)."""
+        outs, grads = self.run()
+        result = {f"output {i}": o.detach() for i, o in enumerate(outs) if isinstance(o, torch.Tensor)}
+        for i, g in zip(self.grad_inputs, grads):
+            result[f"grad input {i}"] = g.detach() if g is not None else torch.zeros_like(self.inputs[i])
+        return result
+
+    def _backward(self, outs: tuple) -> tuple:
+        diff = [(i, o) for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not diff:
+            return tuple(None for _ in self.grad_inputs)
+        cots = [self._cotangent(i, o) for i, o in diff]
+        return torch.autograd.grad([o for _, o in diff], [self.inputs[i] for i in self.grad_inputs],
+                                   cots, allow_unused=True)
+
+    def _cotangent(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        # a form's outputs keep their shape, dtype and device from call to call (fixed inputs)
+        if i not in self._cotangents:
+            self._cotangents[i] = _cotangent(i, out)
+        return self._cotangents[i]
+
+
+def _seeded_numerics(call: RegionCall) -> dict[str, torch.Tensor]:
+    torch.manual_seed(REGION_SEED)
+    with dropout_disabled():
+        return call()
+
+
+def verify_region(region: Region, values: list[Recorded], training: bool,
+                  forms: tuple[GraphModule, GraphModule] | None = None) -> Comparison:
+    """The replacement against the original region, at the region's precision.
+
+    ``forms``: (before, after) to run instead of the region's own (the region with the
+    precision overlay applied)."""
+    before, after = forms or (region.before, region.after)
+    dtype = dtype_of_region([v.value for v in values])
+    try:
+        want = _seeded_numerics(RegionCall(before, values, training))
+    except Exception as e:  # noqa: BLE001 (the original region itself: not the site's fault)
+        return Comparison(False, math.inf, problem=f"the original region does not run alone "
+                          f"({type(e).__name__}: {e})")
+    try:
+        got = _seeded_numerics(RegionCall(after, values, training))
+    except Exception as e:  # noqa: BLE001
+        return Comparison(False, math.inf, problem=f"the replacement raised: {type(e).__name__}: {e}")
+    tol = tolerance_for(dtype)
+    c = compare_runs(got, want, tol)
+    if c.ok:
+        return c
+    try:
+        exact = _seeded_numerics(RegionCall(region.before, values, training, float64=True))
+    except Exception:  # noqa: BLE001 (a region that insists on its dtype: the bound alone)
+        return c
+    return compare_runs(got, want, tol, yardstick=Yardstick("float64", exact, FLOAT64_FACTOR))
+
+
+def held_for_backward(region: Region, values: list[Recorded],
+                      forms: tuple[GraphModule, GraphModule] | None = None) -> tuple[int, int]:
+    """Bytes autograd keeps for backward after one forward of the original and of the
+    replacement (training): the region's share of the step's activation memory.
+
+    Between a layer's forward and its backward, what stays live of it is what autograd saved,
+    and that adds up over the layers: the written-out attention keeps its [heads, seq, seq]
+    probabilities, SDPA its output and log-sum-exp. Unlike a peak it does not jitter; it is
+    what autograd saves on this device (SDPA saves what the kernel it picks needs, and an
+    autograd.Function that keeps tensors as ``ctx`` attributes is not seen). Storages of the
+    boundary inputs (parameters, the activations read) are not counted: they are live either
+    way. An output a form saves is counted, though the op after the region may keep it anyway::
+
+        before, after = held_for_backward(region, values)
+    """
+    before, after = forms or (region.before, region.after)
+    return (_saved_bytes(RegionCall(before, values, training=True)),
+            _saved_bytes(RegionCall(after, values, training=True)))
+
+
+def _saved_bytes(call: RegionCall) -> int:
+    inputs = {_storage(t)[0] for t in tree_leaves(call.inputs) if isinstance(t, torch.Tensor)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr, nbytes = _storage(t)
+        if ptr not in inputs:
+            saved[ptr] = nbytes  # one storage saved twice (a view of it) is held once
+        return t
+
+    # autograd holds the saved tensors until the outputs are dropped, so no storage of one
+    # is reused by a later one within the forward; dropout runs (its mask is saved too). Only
+    # the CPU generator is forked: the pipeline's snapshot puts a device's back (as for timing)
+    with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        call.gm(*call.inputs)
+    return sum(saved.values())
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    try:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, nested)
+        return id(t), 0
+
+
+def _repeated(call: RegionCall, reps: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(reps):
+            call.run()
+    return run
+
+
+def measure_region(region: Region, values: list[Recorded], training: bool, *, clock: Clock,
+                   settings: GateSettings, min_speedup: float,
+                   forms: tuple[GraphModule, GraphModule] | None = None,
+                   deadline: float | None = None,
+                   original_seconds: float | None = None) -> Measurement:
+    """Interleaved A/B of the two forms, each sample long enough for the timer (repeats).
+
+    ``original_seconds``: one call of the original, timed already (:func:`original_ms`), so
+    the original has had its first call and its repeats need no timing of their own."""
+    before, after = forms or (region.before, region.after)
+    a, b = RegionCall(before, values, training), RegionCall(after, values, training)
+    with torch.random.fork_rng(devices=[]):
+        if original_seconds is None:  # its first call comes with the timing
+            original_seconds = _fastest_of_three_ms(a, clock) / 1e3
+        else:
+            a.run()  # its cotangents drawn (its first call came with the earlier timing)
+        b.run()  # first call: allocator, kernels picked
+        reps = repeats_for(original_seconds, settings.region_sample_seconds)
+        base = Step(_repeated(a, reps), (), "original region", scope="region", reps=reps)
+        cand = Step(_repeated(b, reps), (region.pass_name,), "replacement", scope="region", reps=reps)
+        quick_warmup = dataclasses.replace(settings, warmup_seconds=settings.region_warmup_seconds,
+                                           budget_seconds=min(settings.budget_seconds,
+                                                              settings.region_budget_seconds),
+                                           max_pairs=max(settings.max_pairs, settings.region_max_pairs),
+                                           min_pairs=max(settings.min_pairs, min(
+                                               settings.region_min_pairs, settings.max_pairs)))
+        return measure(base, cand, clock=clock, settings=quick_warmup, min_speedup=min_speedup,
+                       deadline=deadline)
+
+
+def original_ms(region: Region, values: list[Recorded], training: bool, *, clock: Clock,
+                forms: tuple[GraphModule, GraphModule] | None = None) -> float:
+    """Milliseconds of one call of the original region (the fastest of three, after a first
+    call): what a replacement could save at most. A region cheaper than the saving that would
+    matter is not worth an A/B comparison (index arithmetic of a few microseconds)."""
+    call = RegionCall((forms or (region.before, region.after))[0], values, training)
+    with torch.random.fork_rng(devices=[]):
+        return _fastest_of_three_ms(call, clock)
+
+
+def _fastest_of_three_ms(call: RegionCall, clock: Clock) -> float:
+    """A first (untimed) call, then the fastest of three timed ones, in ms."""
+    once = Step(_repeated(call, 1), (), "original region", scope="region")
+    call.run()
+    return 1e3 * min(clock.time(once) for _ in range(3))
+
+
+def repeats_for(t: float, target_seconds: float, max_reps: int = 10_000) -> int:
+    """Repetitions per sample of a call of ``t`` seconds so that a sample lasts about
+    ``target_seconds``."""
+    if t <= 0 or not math.isfinite(t):
+        return 1
+    return int(min(max_reps, max(1, math.ceil(target_seconds / t))))
+
+
+def deadline_in(seconds: float | None) -> float | None:
+    return None if seconds is None else time.perf_counter() + seconds

@@ -1,0 +1,273 @@
+"""Executors: the device's graph compilers, as candidates the gate measures like a rewrite.
+
+After the rewrites are decided, ``optimize(compile=...)`` hands the rewritten graphs to a
+torch.compile backend and keeps the compiled form only when the whole step measures faster
+(rewriter.decide.compile_gate). This module says which backends a device has and builds the compiled
+runner of a capture::
+
+    found, declined = executors_for(backend, choice=True)   # [Executor], ["name: why not"]
+    runner = compiled_runner(job.model, capture, found[0].backend, on_new_graph)
+
+Per device (``../shared/reference/npu_ecosystem.md`` §6 for the NPU):
+
+* CPU: ``inductor`` (C++/OpenMP code generation; needs a C++ compiler).
+* CUDA: ``inductor`` (Triton kernels; needs ``triton``).
+* NPU (torch.compile is supported from TorchNPU 7.3.0): ``inductor`` with triton-ascend
+  (needs ``triton`` importable), ``npugraph_ex`` and ``npugraphs`` (ACLGraph capture; fixed
+  shapes, which the gate's example inputs are; registered by torch_npu on import) and
+  TorchAir-GE (``torchair.get_npu_backend()``, imported after torch_npu; inference-oriented, so
+  it is tried for inference only). Each is import-guarded and tried only where it is
+  available; otherwise it is declined with the reason. Written to torch_npu's documented API
+  and tested against ``tests/npu_shim.py`` with monkeypatched imports (no NPU here).
+
+``choice``: True (the device's executors), a backend name (``"inductor"``, ``"npugraphs"``,
+...) or a torch.compile backend callable ``(gm, example_inputs) -> callable`` (tests inject
+a fake compiler this way).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rewriter.capture.front_ends import Capture, DynamoCapture, FxCapture, GraphSlot
+from rewriter.capture.regional import RegionalCapture
+from rewriter.decide.job import switched
+from rewriter.decide.verify import dropout_disabled
+from rewriter.devices.npu_capabilities import torch_npu_release
+
+CompilerBackend = Callable[..., Any]  # torch.compile's backend protocol: (gm, example_inputs) -> callable
+
+# The first TorchNPU release whose docs support torch.compile (npu_ecosystem.md §6).
+NPU_COMPILE_RELEASE = (7, 3, 0)
+
+
+@dataclass(frozen=True)
+class Executor:
+    """One graph compiler: ``backend`` is what ``torch.compile(backend=...)`` takes."""
+
+    name: str
+    backend: str | CompilerBackend
+    inference_only: bool = False
+
+    def resolve(self) -> CompilerBackend:
+        """The backend callable (a name is looked up in torch._dynamo's registry)."""
+        if isinstance(self.backend, str):
+            return torch._dynamo.lookup_backend(self.backend)
+        return self.backend
+
+
+def executors_for(backend: Any, choice: bool | str | CompilerBackend = True,
+                  training: bool = True) -> tuple[list[Executor], list[str]]:
+    """The executors to try on ``backend`` (a rewriter Backend) and, for each one not tried,
+    ``"name: why"``. ``choice`` narrows the list (see the module docstring)."""
+    if callable(choice) and not isinstance(choice, str):
+        name = getattr(choice, "__name__", type(choice).__name__)
+        return [Executor(name, choice)], []
+    found: list[Executor] = []
+    declined: list[str] = []
+    for name, check in _CHECKS.get(backend.name, ()):
+        if isinstance(choice, str) and choice != name:
+            continue
+        problem = check(training)
+        if problem is None:
+            found.append(_EXECUTORS[name]())
+        else:
+            declined.append(f"{name}: {problem}")
+    if isinstance(choice, str) and not found and not declined:
+        known = [n for n, _ in _CHECKS.get(backend.name, ())]
+        raise ValueError(f"compile={choice!r}: no such executor on {backend.name} (it has {known})")
+    return found, declined
+
+
+# --- availability checks: None, or why not -------------------------------------------------------
+def _cpu_inductor(training: bool) -> str | None:
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        get_cpp_compiler()
+    except Exception as e:  # no g++/clang: Inductor's C++ backend cannot build kernels
+        return f"no C++ compiler for Inductor's CPU code ({type(e).__name__}: {e})"
+    return None
+
+
+def _cuda_inductor(training: bool) -> str | None:
+    from torch.utils._triton import has_triton
+    return None if has_triton() else "triton is not installed (Inductor's CUDA kernels need it)"
+
+
+def _torch_npu() -> Any | None:
+    try:
+        return importlib.import_module("torch_npu")
+    except (ImportError, RuntimeError, OSError):
+        return None
+
+
+def _npu_compile_problem() -> str | None:
+    mod = _torch_npu()
+    if mod is None:
+        return "torch_npu does not import here"
+    version = str(getattr(mod, "__version__", ""))
+    release = torch_npu_release(version)
+    if _release_tuple(release) < NPU_COMPILE_RELEASE:
+        return (f"torch_npu {version} (TorchNPU {release or 'unknown'}) predates torch.compile "
+                "support on NPU (TorchNPU 7.3.0)")
+    return None
+
+
+def _release_tuple(release: str | None) -> tuple[int, int, int]:
+    """``"7.3.0"`` -> (7, 3, 0); a release candidate ranks below its release (``6.0.rc3``:
+    (6, 0, -1)); unknown: (0, 0, 0)."""
+    m = re.match(r"(\d+)\.(\d+)\.(rc)?(\d+)", release or "")
+    if m is None:
+        return (0, 0, 0)
+    return (int(m[1]), int(m[2]), -1 if m[3] else int(m[4]))
+
+
+def _npu_inductor(training: bool) -> str | None:
+    problem = _npu_compile_problem()
+    if problem:
+        return problem
+    if importlib.util.find_spec("triton") is None:
+        return "triton-ascend is not installed (Inductor's NPU code generation needs it)"
+    return None
+
+
+def _npu_registered(name: str) -> Callable[[bool], str | None]:
+    def check(training: bool) -> str | None:
+        problem = _npu_compile_problem()
+        if problem:
+            return problem
+        if name not in torch._dynamo.list_backends(exclude_tags=()):
+            return f"this torch_npu does not register the {name!r} torch.compile backend"
+        return None
+    return check
+
+
+def _npu_torchair(training: bool) -> str | None:
+    problem = _npu_compile_problem()
+    if problem:
+        return problem
+    if training:
+        return "TorchAir-GE is inference-oriented; not tried for a training step"
+    try:
+        importlib.import_module("torchair")  # after torch_npu (the docs' order)
+    except (ImportError, RuntimeError, OSError) as e:
+        return f"torchair does not import here ({type(e).__name__})"
+    return None
+
+
+def _torchair_backend() -> CompilerBackend:
+    torchair = importlib.import_module("torchair")
+    return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
+
+
+_CHECKS: dict[str, tuple[tuple[str, Callable[[bool], str | None]], ...]] = {
+    "cpu": (("inductor", _cpu_inductor),),
+    "cuda": (("inductor", _cuda_inductor),),
+    "npu": (("inductor", _npu_inductor), ("npugraph_ex", _npu_registered("npugraph_ex")),
+            ("npugraphs", _npu_registered("npugraphs")), ("torchair", _npu_torchair)),
+}
+
+_EXECUTORS: dict[str, Callable[[], Executor]] = {
+    "inductor": lambda: Executor("inductor", "inductor"),
+    "npugraph_ex": lambda: Executor("npugraph_ex", "npugraph_ex"),
+    "npugraphs": lambda: Executor("npugraphs", "npugraphs"),
+    "torchair": lambda: Executor("torchair", _LazyBackend(_torchair_backend), inference_only=True),
+}
+
+
+class _LazyBackend:
+    """A backend built at its first use (torchair's needs its import, done only if tried)."""
+
+    __name__ = "torchair"
+
+    def __init__(self, make: Callable[[], CompilerBackend]) -> None:
+        self.make, self.backend = make, None
+
+    def __call__(self, gm: Any, example_inputs: list[Any]) -> Any:
+        if self.backend is None:
+            self.backend = self.make()
+        return self.backend(gm, example_inputs)
+
+
+# --- compiled runners ----------------------------------------------------------------------------
+class CompiledFx:
+    """An fx capture's rewritten graph under ``torch.compile``; called like the model. The
+    compile happens at the first call."""
+
+    def __init__(self, cap: FxCapture, backend: CompilerBackend) -> None:
+        self.cap = cap
+        self.fn = torch.compile(cap.slots[0].kept_run, backend=backend)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.fn(*args, **kwargs)
+        if self.cap.output_type is not None and type(out) is dict:
+            return self.cap.output_type(**out)
+        return out
+
+
+def compiled_runner(model: nn.Module, cap: Capture | None, backend: CompilerBackend,
+                    on_new_graph: Callable[[GraphSlot], None]) -> Callable[..., Any]:
+    """``model`` as it runs after optimize() (``cap``; None: the original model), compiled.
+
+    A Dynamo capture is captured again with the backend after our own: each graph Dynamo hands
+    over gets the kept rewrites (``on_new_graph``), then goes to the compiler. An fx capture's
+    graph is compiled as it is."""
+    if cap is None:
+        return inspect.unwrap(torch.compile)(model, backend=backend)
+    if isinstance(cap, RegionalCapture):
+        return RegionalCompiled(cap, backend)
+    if isinstance(cap, DynamoCapture):
+        runner = DynamoCapture(model, "compiled candidate", then_compile=backend)
+        runner.on_new_graph = on_new_graph
+        return runner
+    if isinstance(cap, FxCapture):
+        return CompiledFx(cap, backend)
+    raise TypeError(f"cannot compile a {type(cap).__name__}")
+
+
+class RegionalCompiled:
+    """Regional compile: each block graph compiled once for all its instances (at its first
+    compiled run), the graphs around the blocks left as they are (eager, rewritten): those are
+    small (embeddings, the mask, the head and the loss), and each would cost a compile of its
+    own. While it runs, the block graphs run compiled; once it is kept, they do so at every call.
+    """
+
+    def __init__(self, cap: RegionalCapture, backend: CompilerBackend) -> None:
+        self.cap = cap
+        cap.compile_blocks(backend)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with switched(self.cap.switch, use_compiled=True):
+            return self.cap(*args, **kwargs)
+
+    def keep(self) -> None:
+        """From now on the installed blocks run their compiled graphs, whoever calls them."""
+        self.cap.switch.use_compiled = True
+
+
+def has_dropout(cap: Capture | None, model: nn.Module) -> bool:
+    """Whether a training step draws dropout masks (a compiled graph draws them its own way, so
+    it is verified with dropout off, which compiles it once more)."""
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    for slot in (cap.slots if cap is not None else []):
+        for n in slot.original.graph.nodes:
+            if n.op != "call_function":
+                continue
+            if n.target in dropout_disabled._DROPOUTS:
+                p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+                if not isinstance(p, (int, float)) or p > 0:
+                    return True
+            if n.target is F.scaled_dot_product_attention:
+                p = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)
+                if not isinstance(p, (int, float)) or p > 0:
+                    return True
+    return False
