@@ -46,9 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -56,29 +54,25 @@ import sys
 import tempfile
 import warnings
 from collections import deque
-from dataclasses import dataclass, field, replace
-from decimal import Decimal
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Iterator
 
 import torch
 
 from rewriter.devices.backends import Backend, get_backend, import_torch_npu
-from rewriter.profile.advisor import advise, findings_to_markdown
+from rewriter.profile.ascend_tables import result_from_ascend
 from rewriter.profile.attribution import is_python_frame
 from rewriter.profile.compare import Comparison, OpChange, compare, plot_top_ops
-from rewriter.profile.op_analysis import OpAnalysis, analyze
-from rewriter.profile.opcalls import (
-    calls_from_ascend,
-    calls_from_torch,
-    csv_number,
-    parse_npu_shapes,
-    read_csv,
-)
 from rewriter.profile.peaks import Peaks, resolve_peaks
-from rewriter.profile.roofline import describe_origins, plot_roofline
-from rewriter.profile.rows import KernelRow, OpRow, Signature
-from rewriter.profile.rows import is_operator as _is_operator
-from rewriter.profile.rows import table_cell as _cell
+from rewriter.profile.result import (
+    ProfileResult,
+    ProfileSettings,
+    format_shapes,
+    top_line,
+    top_operator_lines,
+)
+from rewriter.profile.rows import KernelRow, OpRow
+from rewriter.profile.torch_tables import result_from_torch, rows_from_key_averages, top_level_ops
 
 log = logging.getLogger(__name__)
 
@@ -86,430 +80,8 @@ __all__ = [
     "OpRow", "KernelRow", "ProfileSettings", "ProfileResult", "OpChange", "Comparison",
     "open_profiler", "profile_run", "profile_model", "profile_step", "compare", "plot_top_ops",
     "PeriodicProfiler", "rows_from_key_averages", "top_level_ops", "kineto_quiet", "is_python_frame",
+    "format_shapes", "top_line", "top_operator_lines",
 ]
-
-NPU_LEVELS = ("Level_none", "Level0", "Level1", "Level2")
-
-
-# --- tables ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ProfileSettings:
-    """What to collect, and the schedule: ``wait`` idle steps (first-call compilation happens
-    there), ``warmup`` steps with the profiler on but discarded, then ``active`` recorded steps.
-
-        ProfileSettings(active=3, with_stack=True)
-    """
-
-    wait: int = 1
-    warmup: int = 1
-    active: int = 2
-    record_shapes: bool = True
-    profile_memory: bool = True
-    # Python stacks: each operator's model line (rewriter.profile.attribution). Adds host overhead
-    # and trace size (reference §3.1); profiled times are for reading, never for deciding.
-    with_stack: bool = True
-    npu_level: str = "Level1"  # Level1 writes the kernel columns the advisor reads (§3.1)
-
-    def __post_init__(self) -> None:
-        for name in ("wait", "warmup", "active"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"ProfileSettings.{name} must be an int >= 0, got {value!r}")
-        if self.active < 1:
-            raise ValueError(f"ProfileSettings.active must be at least 1, got {self.active}")
-        if self.npu_level not in NPU_LEVELS:
-            raise ValueError(f"ProfileSettings.npu_level must be one of {NPU_LEVELS}, got {self.npu_level!r}")
-
-    @property
-    def steps(self) -> int:
-        return self.wait + self.warmup + self.active
-
-
-@dataclass
-class ProfileResult:
-    """One profiled run: the full operator table and what the advisor and comparison need.
-
-        result.top(3)                  # the three most expensive operators
-        result.to_markdown(top_k=10)   # table, top three, peak memory, advisor findings
-    """
-
-    label: str
-    device: str
-    steps: int  # active (recorded) steps; every time below is per step
-    rows: list[OpRow]  # every operator, by self time
-    shape_rows: list[OpRow] = field(default_factory=list)  # one per (operator, input shapes)
-    kernels: list[KernelRow] = field(default_factory=list)  # NPU only
-    sequence: tuple[str, ...] = ()  # top-level operators in time order (aten:: stripped)
-    wall_ms: float | None = None  # the step's wall time, where the profiler marked steps
-    peak_memory_mb: float | None = None
-    files: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    analysis: OpAnalysis | None = None  # roofline, model lines, shape outliers
-    # host page faults of the least-faulting step (None: the platform cannot count them)
-    page_faults: int | None = None
-
-    @property
-    def step_ms(self) -> float:
-        """Summed self time of all operators per step (the table's 100%)."""
-        return sum(r.self_ms for r in self.rows)
-
-    def top(self, k: int = 10) -> list[OpRow]:
-        return self.rows[:k]
-
-    def top_operators(self, k: int = 3) -> list[OpRow]:
-        """The top ``k`` operators (``aten::``/``npu::``), leaving out annotations such as
-        ``ProfilerStep*`` or ``Optimizer.step#...``."""
-        return [r for r in self.rows if _is_operator(r.name)][:k]
-
-    def row(self, name: str) -> OpRow | None:
-        return next((r for r in self.rows if r.name == name), None)
-
-    def to_dict(self) -> dict:
-        return {"label": self.label, "device": self.device, "steps": self.steps,
-                "step_ms": round(self.step_ms, 4), "wall_ms": self.wall_ms,
-                "peak_memory_mb": self.peak_memory_mb, "page_faults": self.page_faults,
-                "rows": [r.to_dict() for r in self.rows],
-                "kernels": [k.to_dict() for k in self.kernels], "files": dict(self.files),
-                "notes": list(self.notes),
-                "analysis": self.analysis.to_dict() if self.analysis is not None else None}
-
-    def to_markdown(self, top_k: int = 15, advice: bool = True) -> str:
-        lines = [f"## Operators: {self.label} ({self.device})", "", _summary_line(self)]
-        top3 = self.top_operators(3)
-        if top3:
-            lines += ["", "Top three:"] + [f"{i}. {top_line(r)}" for i, r in enumerate(top3, 1)]
-        lines += ["", "| # | operator | calls | self ms | total ms | share | input shapes |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {i} | {_cell(r.name)} | {r.calls} | {r.self_ms:.3f} | {r.total_ms:.3f} | "
-                  f"{100 * r.share:.1f}% | {_cell(format_shapes(r.input_shapes))} |"
-                  for i, r in enumerate(self.top(top_k), 1)]
-        if self.analysis is not None:
-            lines += ["", self.analysis.to_markdown(min(top_k, 10))]
-            if "roofline" not in self.files:
-                lines.append(f"- roofline chart: {self.analysis.chart_text()}")
-        if advice:
-            lines += ["", findings_to_markdown(advise(self))]
-        if any(r.name == "ProfilerStep*" for r in self.top(top_k)):
-            lines.append("- note: ProfilerStep*'s self time is host time between operators "
-                         "(Python, dispatch, profiler overhead)")
-        lines += [f"- note: {n}" for n in self.notes]
-        return "\n".join(lines) + "\n"
-
-    def save(self, out_dir: str | os.PathLike, top_k: int = 15) -> dict[str, str]:
-        """Write ``operators.md``, ``operators.json`` and (with matplotlib) ``top_operators.png``
-        and ``roofline.png``."""
-        os.makedirs(out_dir, exist_ok=True)
-        paths = {"table": os.path.join(out_dir, "operators.md"),
-                 "json": os.path.join(out_dir, "operators.json")}
-        chart = plot_top_ops(self, path=os.path.join(out_dir, "top_operators.png"), top_k=top_k)
-        if chart:
-            paths["chart"] = chart
-        a = self.analysis
-        if a is not None and a.peaks is not None and a.rows:
-            roof = plot_roofline(a.rows, a.peaks, os.path.join(out_dir, "roofline.png"), title=self.label)
-            if roof:
-                paths["roofline"] = roof
-        elif "chart skipped" not in " ".join(self.notes):
-            self.notes.append("chart skipped: matplotlib is not installed (pip install matplotlib)")
-        self.files.update(paths)
-        with open(paths["table"], "w") as f:
-            f.write(self.to_markdown(top_k))
-        with open(paths["json"], "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-        return paths
-
-
-def top_line(r: OpRow) -> str:
-    """``aten::mm 42.0% (3.20 ms, 4 calls) — `Block.forward` model.py:7 `...`, and its backward;
-    compute-bound, 35% of peak compute (...)``: one top operator in words."""
-    text = f"`{r.name}` {100 * r.share:.1f}% ({r.self_ms:.2f} ms, {r.calls} calls)"
-    if r.origin:
-        text += f" — {r.origin}"
-    if r.roofline:
-        text += f"; {r.roofline}"
-    return text
-
-
-def top_operator_lines(rows: Sequence[OpRow], k: int = 3) -> list[str]:
-    """Markdown lines for the top ``k`` operators of a table that carry a model line or a
-    roofline verdict (the optimize() report's section under its top-operator table)."""
-    top = [r for r in rows if _is_operator(r.name)][:k]
-    found = [f"{i}. {top_line(r)}" for i, r in enumerate(top, 1) if r.origin or r.roofline]
-    return ["", *found] if found else []
-
-
-def _summary_line(r: ProfileResult) -> str:
-    parts = [f"{r.step_ms:.2f} ms of operator self time per step ({r.steps} profiled step"
-             f"{'s' if r.steps != 1 else ''})"]
-    if r.wall_ms is not None:
-        parts.append(f"step wall time {r.wall_ms:.2f} ms")
-    if r.peak_memory_mb is not None:
-        parts.append(f"peak memory {r.peak_memory_mb:.2f} MB")
-    if r.page_faults is not None:
-        parts.append(f"{r.page_faults} host page faults a step")
-    return "; ".join(parts) + "."
-
-
-def format_shapes(signatures: Sequence[Signature], limit: int = 2) -> str:
-    """``((8, 64), (64, 48), ())`` -> ``8x64, 64x48, -``; several signatures joined by ``|``."""
-    text = [", ".join("x".join(map(str, s)) if s else "-" for s in sig) for sig in signatures[:limit]]
-    return " | ".join(text) + (" | ..." if len(signatures) > limit else "")
-
-
-# --- building tables from torch.profiler ----------------------------------------------------
-
-def _signature(shapes: Any) -> Signature:
-    """torch's ``input_shapes`` (a list per input) as a tuple of int tuples."""
-    sig = []
-    for s in shapes or ():
-        ok = isinstance(s, (list, tuple)) and all(isinstance(d, int) for d in s)
-        sig.append(tuple(s) if ok else ())  # tensor lists and scalars: no single shape
-    return tuple(sig)
-
-
-def _device_attrs(averages: Sequence[Any]) -> tuple[str, str] | None:
-    for self_attr, total_attr in (("self_device_time_total", "device_time_total"),
-                                  ("self_cuda_time_total", "cuda_time_total")):
-        if any(getattr(e, self_attr, 0) for e in averages):
-            return self_attr, total_attr
-    return None
-
-
-def _times_us(e: Any, device: tuple[str, str] | None) -> tuple[float, float]:
-    if device:
-        return float(getattr(e, device[0], 0.0)), float(getattr(e, device[1], 0.0))
-    return float(e.self_cpu_time_total), float(e.cpu_time_total)
-
-
-def rows_from_key_averages(averages: Sequence[Any], steps: int = 1,
-                           shape_averages: Sequence[Any] | None = None) -> tuple[list[OpRow], list[OpRow]]:
-    """The operator table (by name) and shape table (by name and input shapes) of a profile.
-
-    ``averages`` is ``prof.key_averages()``, ``shape_averages`` is
-    ``prof.key_averages(group_by_input_shape=True)``; any objects with ``key``, ``count``,
-    ``self_cpu_time_total``, ``cpu_time_total`` (and ``input_shapes``) will do::
-
-        rows, shape_rows = rows_from_key_averages(prof.key_averages(), steps=2)
-    """
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
-    device = _device_attrs(averages)
-    raw = [(e.key, e.count, *_times_us(e, device), ()) for e in averages if not is_python_frame(e.key)]
-    frames = [_times_us(e, device) for e in averages if is_python_frame(e.key)]
-    if frames:  # with_stack's Python frames: their self time is the Python code's, one row
-        raw.append((PYTHON_ROW, 0, sum(f[0] for f in frames), sum(f[0] for f in frames), ()))
-    shape_raw = [(e.key, e.count, *_times_us(e, device), (_signature(getattr(e, "input_shapes", None)),))
-                 for e in (shape_averages or ()) if not is_python_frame(e.key)]
-    return _to_rows(raw, steps, shape_raw), _to_rows(shape_raw, steps, ())
-
-
-PYTHON_ROW = "[Python code]"  # with_stack frames' self time (host time between operators)
-
-
-def _to_rows(raw: list[tuple], steps: int, shape_raw: Sequence[tuple]) -> list[OpRow]:
-    """(name, count, self_us, total_us, signatures) totals -> per-step OpRows by self time."""
-    total = sum(r[2] for r in raw) or 1.0
-    shapes: dict[str, list[tuple[float, Signature]]] = {}
-    for name, _, self_us, _, sigs in shape_raw:
-        if sigs and any(sigs[0]):
-            shapes.setdefault(name, []).append((self_us, sigs[0]))
-    rows = []
-    for name, count, self_us, total_us, sigs in raw:
-        top_sigs = sigs or tuple(s for _, s in sorted(shapes.get(name, []), key=lambda x: -x[0])[:3])
-        rows.append(OpRow(name, max(1, round(count / steps)) if count else 0, self_us / steps / 1e3,
-                          total_us / steps / 1e3, self_us / total, top_sigs))
-    rows.sort(key=lambda r: r.self_ms, reverse=True)
-    return rows
-
-
-TimedEvent = tuple[str, float, float, int]  # name, start us, end us, thread
-
-
-def top_level_ops(events: Iterable[TimedEvent]) -> tuple[str, ...]:
-    """Names of the operators not nested in another operator, in time order, prefix stripped.
-
-    The sequence the Ascend advisor matches its affinity patterns against (§4.2): ``matmul``,
-    not the ``bmm`` it calls. Annotations (``ProfilerStep#3``, ``Optimizer.step#...``,
-    ``autograd::...``) are skipped, so an operator inside one still counts as top level::
-
-        top_level_ops([("aten::matmul", 0, 10, 1), ("aten::bmm", 2, 9, 1)])  # ('matmul',)
-    """
-    ops = sorted((e for e in events if _is_operator(e[0])), key=lambda e: (e[3], e[1], -e[2]))
-    found: list[tuple[float, str]] = []
-    thread, open_until = None, -math.inf
-    for name, start, end, tid in ops:
-        if tid != thread:
-            thread, open_until = tid, -math.inf
-        if start >= open_until:  # not inside the last top-level operator of this thread
-            found.append((start, name.split("::", 1)[1]))
-            open_until = end
-    found.sort(key=lambda x: x[0])
-    return tuple(name for _, name in found)
-
-
-def _torch_events(prof: Any) -> list[TimedEvent]:
-    return [(e.name, e.time_range.start, e.time_range.end, e.thread) for e in prof.events()
-            if _is_operator(e.name)]
-
-
-def _kineto_peak_mb(prof: Any, device_type: str) -> float | None:
-    """Peak of the allocations the profiler saw, above what was allocated when it started
-    (one implementation: rewriter.decide.memory, also behind optimize()'s memory objective)."""
-    from rewriter.decide.memory import memory_events, peak_from_events
-    events = memory_events(prof, device_type)
-    if not events:
-        return None
-    return peak_from_events(events) / 2**20
-
-
-def with_analysis(result: ProfileResult, analysis: OpAnalysis) -> ProfileResult:
-    """``result`` with ``analysis`` attached and its rows naming their model line and roofline
-    verdict (NPU kernel rows match ``aten::<type>`` operator rows)."""
-    by_name = {r.name: r for r in analysis.rows}
-
-    def detail(row: OpRow) -> OpRow:
-        short = row.name.split("::", 1)[-1]
-        a = by_name.get(row.name) or by_name.get(short)
-        origins = analysis.origins.get(row.name) or analysis.origins.get(short) or ()
-        verdict = a.verdict() if a is not None and a.bound else ""
-        return replace(row, origin=describe_origins(origins), roofline=verdict)
-
-    result.rows = [detail(r) for r in result.rows]
-    result.analysis = analysis
-    return result
-
-
-def _analysis_notes(analysis: OpAnalysis, peaks_note: str) -> OpAnalysis:
-    if peaks_note:
-        analysis.notes.append(peaks_note)
-    return analysis
-
-
-def _result_from_torch(prof: Any, backend: Backend, settings: ProfileSettings, label: str,
-                       peaks: Peaks | None = None, peaks_note: str = "") -> ProfileResult:
-    averages = prof.key_averages()
-    shape_averages = prof.key_averages(group_by_input_shape=True) if settings.record_shapes else None
-    rows, shape_rows = rows_from_key_averages(averages, settings.active, shape_averages)
-    step_row = next((r for r in rows if r.name.startswith("ProfilerStep")), None)
-    result = ProfileResult(label, backend.name, settings.active, rows, shape_rows,
-                           sequence=top_level_ops(_torch_events(prof)),
-                           wall_ms=step_row.total_ms if step_row else None)
-    if settings.record_shapes:
-        step_us = 1e3 * result.step_ms  # the table's 100%, so shares agree with it
-        analysis = analyze(calls_from_torch(prof.events()), peaks, settings.active, step_us=step_us)
-        with_analysis(result, _analysis_notes(analysis, peaks_note))
-    if settings.profile_memory:
-        result.peak_memory_mb = _kineto_peak_mb(prof, backend.device_type)
-        if result.peak_memory_mb is not None:
-            result.notes.append("peak memory: allocations during the profiled steps, above what "
-                                "was allocated when recording began")
-    return result
-
-
-# --- building tables from torch_npu.profiler output (§3.2, §3.3) ----------------------------
-
-_npu_signature = parse_npu_shapes  # ``"8,64;64,48;"`` -> ``((8, 64), (64, 48), ())`` (§3.3)
-
-
-def _rows_from_operator_details(path: str, steps: int) -> tuple[list[OpRow], list[OpRow]]:
-    """operator_details.csv has one line per operator call; aggregate by name, and by shapes."""
-    lines = read_csv(path)
-    use_device = any(csv_number(r.get("Device Self Duration(us)")) for r in lines)
-    kind = "Device" if use_device else "Host"
-    by_name: dict[str, list] = {}
-    by_shape: dict[tuple[str, str], list] = {}
-    for r in lines:
-        self_us = csv_number(r.get(f"{kind} Self Duration(us)"))
-        total_us = csv_number(r.get(f"{kind} Total Duration(us)"))
-        for key, table in ((r["Name"], by_name), ((r["Name"], r.get("Input Shapes", "")), by_shape)):
-            acc = table.setdefault(key, [0, 0.0, 0.0])
-            acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + self_us, acc[2] + total_us
-    shape_raw = [(n, c, s, t, (_npu_signature(sh),)) for (n, sh), (c, s, t) in by_shape.items()]
-    raw = [(n, c, s, t, ()) for n, (c, s, t) in by_name.items()]
-    return _to_rows(raw, steps, shape_raw), _to_rows(shape_raw, steps, ())
-
-
-def _kernels_from_kernel_details(path: str, steps: int) -> list[KernelRow]:
-    acc: dict[tuple[str, str, tuple[str, ...]], list] = {}
-    for r in read_csv(path):
-        dtypes = tuple(d.strip() for d in r.get("Input Data Types", "").split(";") if d.strip())
-        a = acc.setdefault((r.get("Type", r.get("Name", "")), r.get("Accelerator Core", ""), dtypes),
-                           [0, 0.0, r.get("Input Shapes", "")])
-        a[0], a[1] = a[0] + 1, a[1] + csv_number(r.get("Duration(us)"))
-    kernels = [KernelRow(t, core, max(1, round(c / steps)), us / steps / 1e3, dt, shapes)
-               for (t, core, dt), (c, us, shapes) in acc.items()]
-    return sorted(kernels, key=lambda k: k.duration_ms, reverse=True)
-
-
-def load_trace_events(path: str) -> list[dict]:
-    """Events of a Chrome trace file, in either of its two formats (object or bare array)."""
-    with open(path) as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
-
-
-def _timed_events(events: list[dict]) -> list[TimedEvent]:
-    """Complete ('X') events; torch_npu writes ``ts`` as a string of epoch microseconds (§3.3),
-    too long for a float at ns precision, so it is read as a Decimal relative to the first."""
-    xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
-    if not xs:
-        return []
-    t0 = min(Decimal(str(e["ts"])) for e in xs)
-    out = []
-    for e in xs:
-        start = float(Decimal(str(e["ts"])) - t0)
-        out.append((e.get("name", ""), start, start + float(e.get("dur", 0)), hash(e.get("tid"))))
-    return out
-
-
-def _annotation_rows(timed: list[TimedEvent], steps: int) -> tuple[list[OpRow], float | None]:
-    """Optimizer annotations (host spans) as rows, and the step's wall time from ProfilerStep#."""
-    spans: dict[str, list[float]] = {}
-    for name, start, end, _ in timed:
-        if name.startswith(("Optimizer.step#", "Optimizer.zero_grad#", "ProfilerStep#")):
-            key = "ProfilerStep*" if name.startswith("ProfilerStep#") else name
-            spans.setdefault(key, []).append(end - start)
-    wall = spans.pop("ProfilerStep*", None)
-    rows = [OpRow(n, max(1, round(len(d) / steps)), 0.0, sum(d) / steps / 1e3, 0.0) for n, d in spans.items()]
-    return rows, (sum(wall) / steps / 1e3 if wall else None)
-
-
-def _npu_peak_mb(path: str) -> float | None:
-    values = [csv_number(r.get("Allocation Total Allocated(MB)")) for r in read_csv(path)]
-    return max(values) if values else None
-
-
-def _result_from_ascend(root: str, backend: Backend, settings: ProfileSettings, label: str,
-                        peaks: Peaks | None = None, peaks_note: str = "") -> ProfileResult:
-    """Read a ``*_ascend_pt`` directory's ``ASCEND_PROFILER_OUTPUT`` into a ProfileResult."""
-    out = os.path.join(root, "ASCEND_PROFILER_OUTPUT")
-    steps = settings.active
-    rows, shape_rows = _rows_from_operator_details(os.path.join(out, "operator_details.csv"), steps)
-    trace_path = os.path.join(out, "trace_view.json")
-    timed = _timed_events(load_trace_events(trace_path)) if os.path.exists(trace_path) else []
-    extra, wall = _annotation_rows(timed, steps)
-    kernels = _kernels_from_kernel_details(os.path.join(out, "kernel_details.csv"), steps)
-    result = ProfileResult(label, backend.name, steps, rows + extra, shape_rows, kernels,
-                           sequence=top_level_ops(timed), wall_ms=wall,
-                           files={"tensorboard": os.path.dirname(root), "ascend_pt": root})
-    if os.path.exists(trace_path):
-        result.files["trace"] = trace_path
-    if not rows:
-        result.notes.append(f"no operator_details.csv rows in {out}")
-    calls = calls_from_ascend(out)
-    if calls:
-        analysis = analyze(calls, peaks, steps)
-        if os.path.exists(os.path.join(out, "kernel_details.csv")):
-            analysis.notes.append("roofline from kernel_details.csv (device kernels); model lines "
-                                  "from operator_details.csv's Call Stack")
-        with_analysis(result, _analysis_notes(analysis, peaks_note))
-    if settings.profile_memory:
-        result.peak_memory_mb = _npu_peak_mb(os.path.join(out, "operator_memory.csv"))
-        if result.peak_memory_mb is not None:
-            result.notes.append("peak memory: the largest 'Allocation Total Allocated(MB)' "
-                                "in operator_memory.csv")
-    return result
 
 
 # --- the profiler wrapper ------------------------------------------------------------------
@@ -669,10 +241,10 @@ class _Collector:
         if self.backend.name == "npu":
             if output is None:
                 raise RuntimeError(f"torch_npu wrote no *_ascend_pt directory in {self.trace_dir}")
-            result = _result_from_ascend(output, self.backend, self.settings, self.label,
+            result = result_from_ascend(output, self.backend, self.settings, self.label,
                                          self.peaks, self.peaks_note)
         else:
-            result = _result_from_torch(prof, self.backend, self.settings, self.label,
+            result = result_from_torch(prof, self.backend, self.settings, self.label,
                                         self.peaks, self.peaks_note)
             if output:
                 result.files.update(tensorboard=self.trace_dir, trace=output)
