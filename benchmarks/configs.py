@@ -14,6 +14,9 @@ optimizer, and returns a :class:`Variant` whose ``step()`` runs one step and ret
 ``optimize_compile``      ``optimize()`` (the ``optimize`` row's plan replayed), then ``fast.compile()`` (Inductor)
 ``optimize_gated_compile``       ``optimize(compile=True)``: Inductor as a gated candidate on the rewritten graphs
 ``optimize_bf16_gated_compile``  the same with ``dtype=torch.bfloat16``
+``optimize_steps100``     ``optimize(steps=100)``: defaults (``compile="auto"``), a 100-step run
+``optimize_steps20k``     ``optimize(steps=20000)``: the same for a 20 000-step run
+``optimize_bf16_steps20k``  the same with ``dtype=torch.bfloat16``
 ``expert``                the hand-tuned form (``ModelCase.make_expert``), ``AdamW(fused=True)``
 ``expert_autocast``       the same, forward and loss under ``torch.autocast(bfloat16)``
 ========================  ========================================================================
@@ -108,10 +111,11 @@ def _eager(s: Setup) -> Variant:
 
 
 def _run_optimize(s: Setup, dtype: torch.dtype | None, plan: dict | None = None,
-                  compile: bool | str = False) -> tuple[Any, torch.optim.Optimizer | None, Variant]:
+                  compile: bool | str = False,
+                  steps: int | None = None) -> tuple[Any, torch.optim.Optimizer | None, Variant]:
     opt = plain_optimizer(s.model, s.training)
     options: dict[str, Any] = {"optimizer": opt, "dtype": dtype, "plan": plan, "passes": s.passes,
-                               "progress": s.verbose, "compile": compile}
+                               "progress": s.verbose, "compile": compile, "steps": steps}
     if s.training:
         options["loss_fn"] = s.case.loss_fn
     if s.quick:
@@ -137,8 +141,14 @@ def _run_optimize(s: Setup, dtype: torch.dtype | None, plan: dict | None = None,
 
 
 def _compile_note(d: Any) -> str:
-    seconds = (d.measurement or {}).get("compile_seconds")
+    m = d.measurement or {}
+    seconds = m.get("compile_seconds")
     spent = f", first compiled step {seconds:.1f} s" if seconds is not None else ""
+    if m.get("predicted_compile_seconds") is not None:
+        spent += f", predicted {m['predicted_compile_seconds']:.1f} s"
+    if "steps" in m:
+        be = m.get("break_even_step")
+        spent += f", repaid {'never' if be is None else f'after {be} steps'} of steps={m['steps']}"
     return f"compile: {d.status}{spent}"
 
 
@@ -162,6 +172,12 @@ def _optimize_gated_compile(s: Setup, dtype: torch.dtype | None = None) -> Varia
     """optimize(compile=True): Inductor on the rewritten graphs, kept only when the whole step
     measures faster (optimize s includes the compile; see the row's compile note)."""
     return _run_optimize(s, dtype, compile=True)[2]
+
+
+def _optimize_for_steps(s: Setup, steps: int, dtype: torch.dtype | None = None) -> Variant:
+    """The defaults (compile="auto") told the run's length: a compile is paid only where it
+    repays within a tenth of the run."""
+    return _run_optimize(s, dtype, compile="auto", steps=steps)[2]
 
 
 def _compile(s: Setup) -> Variant:
@@ -225,6 +241,10 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     Config("optimize_gated_compile", "optimize(compile=True)", _optimize_gated_compile),
     Config("optimize_bf16_gated_compile", "optimize(dtype=bf16, compile=True)",
            lambda s: _optimize_gated_compile(s, torch.bfloat16)),
+    Config("optimize_steps100", "optimize(steps=100)", lambda s: _optimize_for_steps(s, 100)),
+    Config("optimize_steps20k", "optimize(steps=20000)", lambda s: _optimize_for_steps(s, 20_000)),
+    Config("optimize_bf16_steps20k", "optimize(dtype=bf16, steps=20000)",
+           lambda s: _optimize_for_steps(s, 20_000, torch.bfloat16)),
     Config("expert", "expert", _expert),
     Config("expert_autocast", "expert + autocast bf16", lambda s: _expert(s, autocast=True)),
 )}

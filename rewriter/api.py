@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from rewriter.capture.install import restore
+from rewriter.decide.amortize import check_steps
 from rewriter.decide.gate import Clock, GateSettings
 from rewriter.decide.job import Job, model_device, split_inputs
 from rewriter.decide.knowledge import KnowledgeBase
@@ -50,6 +51,7 @@ def optimize(
     clock: Clock | None = None,
     compile: bool | str | Callable[..., Any] = "auto",
     regional: bool | str = "auto",
+    steps: int | None = None,
 ) -> OptimizedModel | tuple[OptimizedModel, torch.optim.Optimizer]:
     """Rewrite ``model`` and keep each rewrite only if it measures faster and matches numerically.
 
@@ -110,11 +112,22 @@ def optimize(
         clock: replaces the wall clock (tests use a controlled one).
         compile: the device's graph compiler as one more gated candidate, after the rewrites:
             the rewritten model compiled (Inductor on CPU/CUDA; on NPU Inductor with
-            triton-ascend, npugraph_ex, npugraphs, TorchAir-GE where available), verified, and
-            kept only when the whole step measures faster than the rewritten eager step.
-            "auto" (default): on CUDA and NPU, not on CPU (a first compile costs tens of
-            seconds there; see the README); True: on every device; False: never; an executor
-            name ("inductor", "npugraphs", ...) or a torch.compile backend callable: that one.
+            triton-ascend, npugraph_ex, npugraphs, TorchAir-GE where available; a regional
+            capture compiles each block graph once for all its instances), verified, and kept
+            only when the whole step measures faster than the rewritten eager step. A compile
+            is a one-time cost weighed against ``steps`` (rewriter.decide.amortize). "auto"
+            (default): on every device, when the predicted compile seconds could be repaid
+            within the first tenth of the run (at best half of each step saved; the knowledge
+            base's figure once it has one), and kept when the measured saving repays the
+            measured compile seconds likewise; True: compiled and measured whatever the cost
+            (weighed only when ``steps`` is given); False: never; an executor name
+            ("inductor", "npugraphs", ...) or a torch.compile backend callable: that one, as
+            True. Inductor's persistent caches are kept beside the knowledge base
+            (``<folder>/inductor``) unless ``TORCHINDUCTOR_CACHE_DIR`` is set.
+        steps: how many steps (training) or calls (inference) the run will make; one-time
+            costs must repay within a tenth of it. The trainer integrations pass theirs
+            (transformers' ``max_steps``, Lightning's ``estimated_stepping_batches``). None:
+            1000 for ``compile="auto"`` (a short fine-tuning run), not weighed for others.
 
         regional: decide per repeated block and install the result in every instance
             (rewriter.capture.blocks, rewriter.capture.install): each block class (modules of one class repeated
@@ -157,6 +170,7 @@ def optimize(
             (callable(compile) and not isinstance(compile, str))):
         raise ValueError(f"compile must be 'auto', True, False, one of {sorted(COMPILE_CHOICES - {'auto'})} "
                          f"or a torch.compile backend callable, got {compile!r}")
+    steps = check_steps(steps)
     if regional not in ("auto", True, False):
         raise ValueError(f"regional must be 'auto', True or False, got {regional!r}")
     if clock is not None and not callable(getattr(clock, "time", None)):
@@ -175,7 +189,7 @@ def optimize(
                         time_budget=float(time_budget) if time_budget is not None else None,
                         knowledge_base=KnowledgeBase.at(knowledge_base), compile=compile,
                         objective=objective, memory_slowdown=float(memory_slowdown),
-                        regional=regional)
+                        regional=regional, steps=steps)
 
     def run(args: tuple, kwargs: dict) -> Outcome:
         _check_input_devices(model, args, kwargs)

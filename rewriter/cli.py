@@ -191,7 +191,7 @@ def _optimize(args: argparse.Namespace) -> int:
         dtype=_DTYPES[args.dtype] if args.dtype else None, passes=_names(args.passes),
         exclude=_names(args.exclude) or (), device=args.device, min_speedup=args.min_speedup,
         plan=args.plan, cache_dir=args.cache_dir, front_end=args.front_end,
-        compile=_COMPILE.get(args.compile, args.compile),
+        compile=_COMPILE.get(args.compile, args.compile), steps=args.steps,
         objective=args.objective, memory_slowdown=args.memory_slowdown,
         profile=False,  # profiled below, once per variant, with traces; its tables fill the report
         progress=True, gate=_gate_settings(args), clock=_make_clock())
@@ -450,8 +450,12 @@ def _parser() -> argparse.ArgumentParser:
                           "captures the whole model (auto, the default)")
     opt.add_argument("--compile", choices=sorted(_COMPILE) + ["inductor", "npugraph_ex", "npugraphs",
                                                                "torchair"], default="auto",
-                     help="the graph compiler as a gated candidate after the rewrites: auto (CUDA "
-                          "and NPU, not CPU; the default), on, off, or one executor")
+                     help="the graph compiler as a gated candidate after the rewrites: auto (where "
+                          "its predicted cost repays within a tenth of --steps; the default), on, "
+                          "off, or one executor")
+    opt.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+                     help="steps (or calls) the run will make; a compile must repay within a "
+                          "tenth of them (default: 1000 for --compile auto)")
     opt.add_argument("--min-speedup", type=float, default=1.03, metavar="RATIO",
                      help="keep a rewrite only at least this much faster (default 1.03)")
     opt.add_argument("--objective", choices=("time", "memory"), default="time",
@@ -500,3 +504,13 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value

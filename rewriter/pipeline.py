@@ -79,6 +79,7 @@ class Settings:
     # the graph compiler as a gated candidate (rewriter.decide.compile_gate): "auto", True, False,
     # an executor name or a torch.compile backend callable
     compile: Any = False
+    steps: int | None = None  # the run's expected steps or calls (rewriter.decide.amortize)
     objective: str = "time"  # "memory": keep what lowers peak memory within memory_slowdown
     memory_slowdown: float = 0.03
     # regional rewriting (rewriter.capture.blocks): "auto", True or False; see rewriter.api.optimize

@@ -126,6 +126,19 @@ def test_fx_capture_writes_a_module_that_runs_on_the_original_parameters(tmp_pat
     assert any("loaded back and checked" in n for n in report["notes"])
 
 
+def test_steps_reach_the_compile_decision_and_a_bad_count_is_refused(tmp_path, clocks, capsys):
+    out = tmp_path / "out"
+    code, _, stderr = run(capsys, f"{FACTORIES}:attention_block", "--out", str(out), *PASSES,
+                          "--steps", "50")
+    assert code == 0, stderr
+    report = json.loads((out / "report.json").read_text())
+    row = next(d for d in report["decisions"] if d["pass_name"] == "compile")
+    assert row["status"] == "not tried" and row["measurement"]["steps"] == 50
+    with pytest.raises(SystemExit) as bad:
+        run(capsys, f"{FACTORIES}:attention_block", "--out", str(out), "--steps", "0")
+    assert bad.value.code == 2 and "positive integer" in capsys.readouterr().err
+
+
 def test_corrupt_plan_fails_naming_the_file_before_anything_runs(tmp_path, clocks, capsys):
     plan = tmp_path / "plan.json"
     plan.write_text('{"format": "rewriter-plan/1", "kept_pa')

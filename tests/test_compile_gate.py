@@ -5,14 +5,19 @@ carries the name "compile", so ``ControlledClock({"compile": 0.5})`` makes it tw
 The compiler is a fake torch.compile backend (it runs the graph as it is, or raises, or
 changes the numerics); one test compiles for real with Inductor, on a tiny model.
 """
+import math
+import os
 import sys
+import time
 
 import pytest
 import torch
 import torch.nn as nn
 
 import rewriter
+from rewriter.decide.amortize import REPAY_FRACTION, Payback, predict_compile_seconds
 from rewriter.devices.backends import get_backend
+from rewriter.devices.compile_cache import is_warm, use_persistent_cache
 from rewriter.devices.executors import executors_for
 from tests import npu_shim
 from tests.controlled import QUICK, Bf16Cpu, ControlledClock, RewriteRelu
@@ -164,14 +169,93 @@ def test_the_knowledge_base_keeps_the_decision_so_a_second_run_does_not_measure(
     assert again.report.kept_passes == ["compile"] and "compiled with fake" in again.report.final["reason"]
 
 
-def test_auto_does_not_compile_on_cpu_and_false_does_not_try(mlp):
-    model, x = mlp
+def test_auto_does_not_pay_a_compile_the_run_cannot_repay_and_false_does_not_try(mlp):
+    model, x = mlp  # a step of well under a second: no compile repays within 100 steps
     clock = ControlledClock()
-    fast = _opt(model, (x,), clock, "auto")
-    assert not [d for d in fast.report.decisions if d.pass_name == "compile"]
-    assert any("compile=True" in n for n in fast.report.notes) and _compiled_samples(clock) == 0
+    fast = _opt(model, (x,), clock, "auto", steps=100)
+    d = _compile_row(fast)
+    assert not d.kept and d.status == "not tried" and "would not repay" in d.reason
+    m = d.measurement
+    assert m["steps"] == 100 and m["predicted_compile_seconds"] > 1 and m["nodes"] > 0
+    assert m["break_even_step"] > REPAY_FRACTION * 100 and m["repays"] is False
+    assert "compile" not in fast.report.phases and _compiled_samples(clock) == 0  # never compiled
     off = _opt(model, (x,), ControlledClock(), False)
     assert not [d for d in off.report.decisions if d.pass_name == "compile"]
+
+
+class SlowCompiler(FakeCompiler):
+    """A fake compiler whose compile takes ``seconds`` (a one-time cost of known size)."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def __call__(self, gm, example_inputs):
+        time.sleep(self.seconds)
+        return super().__call__(gm, example_inputs)
+
+
+def test_a_faster_compile_that_does_not_repay_within_the_run_is_not_kept(mlp):
+    model, x = mlp
+    # twice as fast on a 10 ms step saves 5 ms a step; 0.3 s of compile needs 60 steps
+    fast = _opt(model, (x,), ControlledClock({"compile": 0.5}), SlowCompiler(0.3), steps=100)
+    d = _compile_row(fast)
+    assert not d.kept and d.status == "rejected" and "does not repay within the run" in d.reason
+    assert d.measurement["break_even_step"] >= 60 and d.measurement["steps"] == 100
+    assert fast.report.plan["compile"] == {"executor": "fake", "kept": False}
+
+
+def test_a_faster_compile_that_repays_early_in_a_long_run_is_kept_and_says_when(mlp):
+    model, x = mlp
+    fast = _opt(model, (x,), ControlledClock({"compile": 0.5}), SlowCompiler(0.3), steps=100_000)
+    d = _compile_row(fast)
+    assert d.kept and d.measurement["repays"] is True
+    assert 60 <= d.measurement["break_even_step"] <= REPAY_FRACTION * 100_000
+    assert "repaid after" in d.reason
+
+
+def test_without_steps_an_asked_for_compile_is_kept_on_speed_alone(mlp):
+    model, x = mlp  # compile=<backend> and no steps: the one-time cost is the user's call
+    fast = _opt(model, (x,), ControlledClock({"compile": 0.5}), SlowCompiler(0.3))
+    d = _compile_row(fast)
+    assert d.kept and "break_even_step" not in d.measurement
+
+
+def test_steps_must_be_a_positive_int(mlp):
+    model, x = mlp
+    for bad in (0, -5, 2.5, True, "100"):
+        with pytest.raises(ValueError, match="steps must be a positive int"):
+            rewriter.optimize(model, (x,), steps=bad, progress=False)
+
+
+def test_payback_arithmetic():
+    p = Payback(cost_s=20.0, saving_s=0.030, steps=20_000)
+    assert math.ceil(p.break_even) == 667 and p.repays
+    assert not Payback(20.0, 0.030, 100).repays
+    assert Payback(1.0, 0.0, 10**9).break_even == math.inf and not Payback(1.0, -0.1, 10).repays
+    assert p.to_dict()["break_even_step"] == 667 and "after 667 steps" in p.describe()
+    assert Payback(1.0, 0.0, 10).to_dict()["break_even_step"] is None
+
+
+def test_compile_seconds_are_predicted_from_the_knowledge_base_when_it_has_them():
+    fit = predict_compile_seconds(100, training=True)
+    assert fit > predict_compile_seconds(10, training=True) > 0  # more nodes, more seconds
+    assert predict_compile_seconds(100, True, known_s=30.0) == 30.0
+    assert predict_compile_seconds(100, True, known_s=30.0, warm=True) < 30.0
+
+
+def test_inductor_caches_go_beside_the_knowledge_base_unless_a_folder_is_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # restored after the test, as it was
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert use_persistent_cache(None) is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    where = use_persistent_cache(str(tmp_path / "kb" / "knowledge_base.json"))
+    assert where == str(tmp_path / "kb" / "inductor") == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert not is_warm(where)
+    (tmp_path / "kb" / "inductor").mkdir(parents=True)
+    (tmp_path / "kb" / "inductor" / "fxgraph").mkdir()
+    assert is_warm(where)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_persistent_cache(str(tmp_path / "kb" / "knowledge_base.json")) == str(tmp_path / "mine")
 
 
 def test_bad_compile_argument_is_a_clear_error(mlp):

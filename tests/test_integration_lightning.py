@@ -174,3 +174,8 @@ def test_optimize_leaves_no_lightning_compile_attribute_on_the_model():
                       profile=False, progress=False)
     # torch.compile marks the module it wraps with ``_is_torch_compile`` (torch's own doing)
     assert sorted(k for k in vars(model) if k != "_is_torch_compile") == before
+
+
+def test_the_estimated_stepping_batches_are_the_run_length_a_compile_is_weighed_against(runs):
+    row = next(d for d in runs["callback"].report.decisions if d.pass_name == "compile")
+    assert row.status == "not tried" and row.measurement["steps"] == STEPS  # max_steps=STEPS

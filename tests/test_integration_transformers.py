@@ -154,3 +154,9 @@ def test_unknown_or_trainer_owned_options_are_refused():
         RewriterCallback(min_sppedup=1.1)
     with pytest.raises(TypeError, match="'optimizer' is taken from the trainer"):
         RewriterCallback(optimizer=None)
+
+
+def test_the_trainer_s_max_steps_is_the_run_length_a_compile_is_weighed_against(runs):
+    row = next(d for d in runs["callback"].report.decisions if d.pass_name == "compile")
+    # a tiny model's step cannot repay Inductor's seconds within STEPS steps: not even tried
+    assert row.status == "not tried" and row.measurement["steps"] == STEPS

@@ -39,6 +39,7 @@ FAST = {"a": 0.5, "b": 0.5, "fuse_attention": 0.5}
 def _opt(model, inputs, **kw):
     kw.setdefault("clock", ControlledClock(FAST))
     kw.setdefault("passes", [RewriteRelu("a")])
+    kw.setdefault("compile", False)  # the passes' decisions only (the compile row: test_compile_gate)
     return rewriter.optimize(model, inputs, gate=QUICK, progress=False, profile=False, **kw)
 
 

@@ -19,6 +19,7 @@ from tests.models import Blocks, ReluMLP
 
 def _opt(model, inputs, passes, clock, **kw):
     kw.setdefault("knowledge_base", False)
+    kw.setdefault("compile", False)  # the passes' decisions only (the compile row: test_compile_gate)
     return rewriter.optimize(model, inputs, passes=passes, clock=clock, gate=QUICK,
                              profile=False, progress=False, **kw)
 

@@ -12,7 +12,14 @@ machine). It is kept only when measurably faster::
     CompileGate(run).replay(entry)     # a plan's {"executor": ..., "kept": True}: no measuring
 
 Compile seconds (the first compiled step) are reported apart from measuring: the phase
-"compile" and ``measurement["compile_seconds"]`` of the decision row. A compile that raises is
+"compile" and ``measurement["compile_seconds"]`` of the decision row. A compile is a one-time
+cost (rewriter.decide.amortize): with ``compile="auto"`` it is first predicted (the knowledge
+base's figure for the same graphs, else a fit on their node count) and not paid at all when
+even saving half of every step would not repay it within the first tenth of the run
+(``optimize(steps=...)``, default 1000 for "auto"); a compiled form that measures faster is
+kept only when its measured saving repays its measured compile seconds likewise (with
+``steps`` given, or "auto"). The row gives the cost, the saving and the break-even step.
+Inductor's persistent caches live beside the knowledge base (rewriter.devices.compile_cache). A compile that raises is
 reported with its reason and the eager graphs run. The decision goes into the knowledge base
 (keyed by executor, device, versions, mode, dtype, the rewritten graphs and the inputs) and the
 plan, so a later run compiles and verifies but does not measure again.
@@ -28,20 +35,19 @@ from typing import Any, Callable
 from rewriter import plan as plans
 from rewriter.capture.front_ends import DynamoCapture, FxCapture
 from rewriter.capture.ir import structure_signature
+from rewriter.decide.amortize import DEFAULT_STEPS, MAX_SAVING, Payback, predict_compile_seconds
 from rewriter.decide.gate import Step, decide, known_verdict, measure
 from rewriter.decide.job import switched
 from rewriter.decide.knowledge import entry_key
 from rewriter.decide.run_view import RunView
 from rewriter.decide.verify import compare_runs, dropout_disabled, tolerance_for
+from rewriter.devices.compile_cache import cache_folder, is_warm, use_persistent_cache
 from rewriter.devices.executors import Executor, compiled_runner, executors_for, has_dropout
 from rewriter.report import Decision
 
 log = logging.getLogger("rewriter.progress")
 
 NAME = "compile"  # the decision row's pass_name
-AUTO_ON_CPU = ("compile: not tried (compile='auto' does not compile on CPU: Inductor's first "
-               "compile costs tens of seconds here and pays off only on some models; pass "
-               "compile=True to measure it)")
 
 
 class CompileGate:
@@ -57,10 +63,6 @@ class CompileGate:
         choice = r.settings.compile
         if choice is False:
             return
-        if choice == "auto" and r.job.backend.name == "cpu":
-            # a note, not a decision row: nothing was tried
-            r.report.notes.append(AUTO_ON_CPU)
-            return
         found, declined = executors_for(r.job.backend, True if choice == "auto" else choice,
                                         r.job.training)
         if not found:
@@ -69,7 +71,15 @@ class CompileGate:
             return
         if declined:
             r.report.notes.append("compile: not tried: " + "; ".join(declined))
-        tried = [self._try(ex) for ex in found]
+        steps = self.steps()
+        tried = []
+        for ex in found:
+            skip = self._not_worth_compiling(ex, steps) if choice == "auto" else None
+            if skip is not None:
+                r.report.decisions.append(skip)
+                log.info("rewriter: compile (%s): not tried: %s", ex.name, skip.reason)
+            else:
+                tried.append(self._try(ex, steps))
         kept = [(d, runner, ex) for d, runner, ex in tried if d.kept]
         best = max(kept, key=lambda t: t[0].speedup or 0.0) if kept else None
         for d, _, ex in tried:
@@ -83,16 +93,68 @@ class CompileGate:
         else:
             r.compile_plan = {"executor": found[0].name, "kept": False}
 
-    def _try(self, ex: Executor) -> tuple[Decision, Callable[..., Any] | None, Executor]:
+    def steps(self) -> int | None:
+        """The run's length the one-time cost is weighed against (None: not weighed)."""
         r = self.run
+        if r.settings.steps is not None:
+            return r.settings.steps
+        return DEFAULT_STEPS if r.settings.compile == "auto" else None
+
+    def _not_worth_compiling(self, ex: Executor, steps: int | None) -> Decision | None:
+        """A row saying why compiling is not tried, when its predicted cost cannot be repaid
+        within the run even at the best saving there is reason to expect; None: try it."""
+        if steps is None:
+            return None
+        r = self.run
+        cache = cache_folder(r.settings.knowledge_base.path) if ex.backend == "inductor" else None
+        known = r.settings.knowledge_base.get(self._key(ex))
+        known_s = known.get("compile_seconds") if known else None
+        warm = (known_s is not None and not known.get("compile_warm")
+                and known.get("compile_cache") == cache and is_warm(cache))
+        nodes = self._nodes()
+        cost = predict_compile_seconds(nodes, r.job.training, known_s, warm)
+        if _step_ms(known) is not None:
+            saving, basis = _step_ms(known) / 1e3, "the knowledge base's"
+        else:
+            saving, basis = MAX_SAVING * r.step_seconds, f"at most {MAX_SAVING:.0%} of the step"
+        p = Payback(cost, saving, steps)
+        if p.repays:
+            return None
+        source = ("the knowledge base's figure" + (", warm cache" if warm else "")) if known_s is not None \
+            else f"predicted from {nodes} graph nodes"
+        return Decision(NAME, False, "not tried",
+                        f"{ex.name}: would not repay within the run ({source}; saving {basis}): "
+                        f"{p.describe()}", scope="step", sites=[ex.name],
+                        measurement={"predicted_compile_seconds": round(cost, 3), "nodes": nodes,
+                                     **p.to_dict()})
+
+    def _nodes(self) -> int:
+        """Calls in the graphs the compiler gets: a regional capture's block graphs (one per
+        class and signature), else every graph of the model."""
+        r = self.run
+        slots = [s for s in r.cap.slots if s.block is not None] or list(r.cap.slots)
+        graphs = [s.kept_run if r.kept else s.original for s in slots]
+        return sum(1 for g in graphs for n in g.graph.nodes
+                   if n.op in ("call_function", "call_method", "call_module"))
+
+    def _cache(self, ex: Executor) -> str | None:
+        """Inductor's persistent cache folder, set beside the knowledge base unless set."""
+        if ex.backend != "inductor":
+            return None
+        return use_persistent_cache(self.run.settings.knowledge_base.path)
+
+    def _try(self, ex: Executor, steps: int | None = None) -> tuple[Decision, Callable[..., Any] | None, Executor]:
+        r = self.run
+        key = self._key(ex)
+        known = r.settings.knowledge_base.get(key)
+        cache = self._cache(ex)
+        warm = known is not None and known.get("compile_cache") == cache and is_warm(cache)
         runner, compile_s, problem = self._build(ex)
         if problem is not None:
             return self._failed(ex, "raised", problem), None, ex
         ok, detail, err = self._verify(runner)
         if not ok:
             return self._failed(ex, "failed verification", detail, err), None, ex
-        key = self._key(ex)
-        known = r.settings.knowledge_base.get(key)
         g = r.settings.gate
         if known is not None:
             keep, reason = known_verdict(known, r.settings.min_speedup, g.noise_widths)
@@ -109,8 +171,17 @@ class CompileGate:
             keep, reason = decide(m, r.settings.min_speedup, g.noise_widths)
             m_dict = m.to_dict()
             if m.storable(g.min_pairs):
-                r.settings.knowledge_base.put(key, {**m_dict, "pass": NAME, "executor": ex.name})
+                r.settings.knowledge_base.put(key, {**m_dict, "pass": NAME, "executor": ex.name,
+                                                    "compile_seconds": round(compile_s, 3),
+                                                    "compile_cache": cache, "compile_warm": warm})
         m_dict["compile_seconds"] = round(compile_s, 3)
+        if steps is not None and _step_ms(m_dict) is not None:
+            p = Payback(compile_s, _step_ms(m_dict) / 1e3, steps)
+            m_dict.update(p.to_dict())
+            if keep and not p.repays:
+                keep, reason = False, f"does not repay within the run: {p.describe()}; {reason}"
+            elif keep:
+                reason = f"{reason}; {p.describe()}"
         d = Decision(NAME, keep, "kept" if keep else "rejected",
                      f"{ex.name}, whole step: {reason}; first compiled step {compile_s:.1f} s",
                      speedup=m_dict.get("speedup"), noise=m_dict.get("noise"), max_abs_error=err,
@@ -233,3 +304,10 @@ class CompileGate:
                                         f"the model compiled with {ex.name} runs")
         r.report.final["compiled"] = ex.name
         r.report.notes.append(f"compiled with {ex.name} (gated on the whole step)")
+
+
+def _step_ms(figures: dict | None) -> float | None:
+    """The saving per step a measurement (or knowledge-base entry) shows, in ms, or None."""
+    if not figures or figures.get("baseline_ms") is None or figures.get("candidate_ms") is None:
+        return None
+    return figures["baseline_ms"] - figures["candidate_ms"]

@@ -34,6 +34,7 @@ module alone and says why in ``callback.error``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -153,7 +154,8 @@ class RewriterCallback(Callback):
         self._measuring = True
         try:
             example = example_inputs_of(args, kwargs)
-            result = rewriter.optimize(shell, example, optimizer=optimizer, **self.options)
+            options = {"steps": _stepping_batches(trainer), **self.options}  # the user's steps= wins
+            result = rewriter.optimize(shell, example, optimizer=optimizer, **options)
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
             log.warning("rewriter: optimize() failed at the first batch, training the module as "
@@ -183,3 +185,12 @@ class RewriterCallback(Callback):
         if self.report_dir not in (None, True):
             return os.fspath(self.report_dir)  # type: ignore[arg-type]
         return os.path.join(trainer.default_root_dir, "rewriter")
+
+
+def _stepping_batches(trainer: Any) -> int | None:
+    """Lightning's estimate of the optimizer steps of this fit (None: unknown or endless)."""
+    try:
+        n = trainer.estimated_stepping_batches
+    except Exception:  # no datamodule length, an iterable dataset: Lightning cannot estimate
+        return None
+    return int(n) if isinstance(n, (int, float)) and math.isfinite(n) and n >= 1 else None

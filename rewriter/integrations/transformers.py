@@ -98,6 +98,7 @@ class RewriterCallback(TrainerCallback):
         self.error: str | None = None
         self._step: MethodInterceptor | None = None
         self._optimizer: Any = None
+        self._steps: int | None = None
         self._output_dir: str | None = None
         self._is_main = True
 
@@ -109,6 +110,8 @@ class RewriterCallback(TrainerCallback):
             raise ValueError("RewriterCallback: the Trainer passed no model to on_train_begin")
         self._output_dir = args.output_dir
         self._is_main = state.is_world_process_zero
+        # the run's length, so a one-time cost (a compile) is weighed against it
+        self._steps = state.max_steps if getattr(state, "max_steps", 0) and state.max_steps > 0 else None
         if self._step is None or self._step.model is not model or optimizer is not self._optimizer:
             # a new model, or a new optimizer (train() again): decide again at its first batch
             if self._step is not None:
@@ -127,7 +130,8 @@ class RewriterCallback(TrainerCallback):
         optimizer = _torch_optimizer(self._optimizer)
         try:
             example = example_inputs_of(args, kwargs)
-            result = rewriter.optimize(shell, example, optimizer=optimizer, **self.options)
+            options = {"steps": self._steps, **self.options}  # the user's steps= wins
+            result = rewriter.optimize(shell, example, optimizer=optimizer, **options)
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
             log.warning("rewriter: optimize() failed at the first batch, training the model as it "

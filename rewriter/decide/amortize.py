@@ -1,0 +1,91 @@
+"""One-time costs against the run's length: a candidate that costs seconds once (a compile) is
+worth it only if its saving per step repays that cost early in the run.
+
+``optimize(steps=N)`` says how many steps (training) or calls (inference) the caller expects.
+A one-time cost ``C`` and a saving ``s`` per step repay after ``C / s`` steps (the break-even
+step); the candidate is kept when that is within ``REPAY_FRACTION`` of the run, so most of the
+run is profit and a wrong guess of its length costs little::
+
+    p = Payback(cost_s=20.0, saving_s=0.030, steps=20_000)
+    p.break_even, p.repays            # (667, True): repaid within the first 2000 steps
+    Payback(20.0, 0.030, 100).repays  # False: a 100-step job never gets its 20 s back
+
+Before compiling, the cost is predicted (:func:`predict_compile_seconds`) and the saving
+bounded from above by ``MAX_SAVING`` of the step, so a job too short to repay even that best
+case does not pay the compile at all. After compiling, the measured figures decide.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DEFAULT_STEPS = 1000  # steps=None with compile="auto": a short fine-tuning run
+REPAY_FRACTION = 0.1  # a one-time cost must be repaid within the first tenth of the run
+MAX_SAVING = 0.5  # before measuring: the most of a step a compiler is assumed to save
+# A warm persistent Inductor cache (rewriter.decide.compile_cache): a second process compiled
+# the same training graph in 1.8 s against 17.7 s cold (2-core AMD EPYC, torch 2.13), 0.10;
+# assumed 0.25 so a cache that was cleared is not taken for warm too readily.
+WARM_FACTOR = 0.25
+
+# Inductor's first compile of one graph, in a fresh process with a cold cache: seconds =
+# base + per_node * nodes (nodes: the Dynamo graph's calls; training includes AOTAutograd's
+# backward). Fitted on 2-core AMD EPYC (avx512_bf16, no AMX), torch 2.13, Inductor C++:
+# MLP graphs of 6, 24 and 72 nodes took 13.3, 17.1 and 27.0 s in training. Used on every
+# device until the knowledge base has the device's own figure for the same graphs.
+COMPILE_COST = {  # training: (base seconds, seconds per node)
+    True: (12.0, 0.21),
+    False: (8.0, 0.10),  # inference: forward only, about half the per-node work
+}
+
+
+@dataclass(frozen=True)
+class Payback:
+    """A one-time cost against a saving per step over a run of ``steps`` steps."""
+
+    cost_s: float
+    saving_s: float
+    steps: int
+
+    @property
+    def break_even(self) -> float:
+        """Steps until the saving has paid the cost (inf when nothing is saved)."""
+        if self.saving_s <= 0:
+            return math.inf
+        return self.cost_s / self.saving_s
+
+    @property
+    def repays(self) -> bool:
+        return self.break_even <= REPAY_FRACTION * self.steps
+
+    def describe(self) -> str:
+        be = "never" if math.isinf(self.break_even) else f"after {math.ceil(self.break_even)} steps"
+        within = math.floor(REPAY_FRACTION * self.steps)
+        verdict = "within" if self.repays else "not within"
+        return (f"{self.cost_s:.1f} s once, {1e3 * self.saving_s:.2f} ms saved a step: repaid {be}, "
+                f"{verdict} the first {within} of steps={self.steps}")
+
+    def to_dict(self) -> dict:
+        be = None if math.isinf(self.break_even) else math.ceil(self.break_even)
+        return {"one_time_seconds": round(self.cost_s, 3), "saving_ms": round(1e3 * self.saving_s, 4),
+                "break_even_step": be, "steps": self.steps, "repays": self.repays}
+
+
+def predict_compile_seconds(nodes: int, training: bool, known_s: float | None = None,
+                            warm: bool = False) -> float:
+    """The first compile's seconds: the knowledge base's figure for the same graphs when there
+    is one (``WARM_FACTOR`` of it when Inductor's persistent cache is the one it was measured
+    with), else the table's fit on the graphs' node count."""
+    if known_s is not None:
+        return known_s * (WARM_FACTOR if warm else 1.0)
+    base, per_node = COMPILE_COST[training]
+    return base + per_node * nodes
+
+
+def check_steps(steps: object) -> int | None:
+    """``optimize(steps=...)``: None or a positive int."""
+    if steps is None:
+        return None
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int (the steps or calls the run will make) "
+                         f"or None, got {steps!r}")
+    return steps
