@@ -45,7 +45,7 @@ def optimize(
     knowledge_base: str | os.PathLike | bool | None = None,
     time_budget: float | None = DEFAULT_TIME_BUDGET,
     front_end: str = "auto",
-    profile: bool = True,
+    profile: bool | str = "auto",
     progress: bool = True,
     gate: GateSettings | None = None,
     clock: Clock | None = None,
@@ -103,10 +103,12 @@ def optimize(
             and models: a JSON file or a directory; None/True: ``$REWRITER_KNOWLEDGE_BASE``,
             else ``~/.cache/rewriter/knowledge_base.json``; False: not kept.
         time_budget: seconds optimize() may spend deciding (profiling aside); what it did not
-            reach is reported as not reached, never kept unmeasured. None: no bound.
+            reach is reported as not reached, never kept unmeasured. None: no bound. With
+            ``steps`` given, at most a quarter of the run's length (at least 8 s).
         front_end: "auto" (symbolic_trace when it captures the whole model, else Dynamo),
             "fx" or "dynamo".
         profile: profile the step before and after once, for the report's operator tables.
+            "auto" (default): unless ``steps`` makes the run short (its time budget capped).
         progress: log progress lines to stderr while measuring.
         gate: measurement budget (warm-up, pair counts, seconds per comparison).
         clock: replaces the wall clock (tests use a controlled one).
@@ -171,6 +173,8 @@ def optimize(
         raise ValueError(f"compile must be 'auto', True, False, one of {sorted(COMPILE_CHOICES - {'auto'})} "
                          f"or a torch.compile backend callable, got {compile!r}")
     steps = check_steps(steps)
+    if profile not in (True, False, "auto"):
+        raise ValueError(f"profile must be True, False or 'auto', got {profile!r}")
     if regional not in ("auto", True, False):
         raise ValueError(f"regional must be 'auto', True or False, got {regional!r}")
     if clock is not None and not callable(getattr(clock, "time", None)):

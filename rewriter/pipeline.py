@@ -37,6 +37,7 @@ from rewriter.capture.choose import CaptureStage
 from rewriter.capture.front_ends import Capture, DynamoCapture, GraphSlot
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide import memory
+from rewriter.decide.amortize import MIN_BUDGET, deciding_budget
 from rewriter.decide.compile_gate import CompileGate
 from rewriter.decide.confirm import Confirmation, KeptUnit, usual_pairs
 from rewriter.decide.gate import Clock, GateSettings, Step, device_clock
@@ -69,7 +70,7 @@ class Settings:
     front_end: str = "auto"
     gate: GateSettings = field(default_factory=GateSettings)
     clock: Clock | None = None
-    profile: bool = True
+    profile: bool | str = True  # "auto": profile unless steps= makes the run too short for it
     plan: Any = None
     replace_optimizer: bool = True  # False when optimize() already handed the optimizer back
     cache_dir: str | None = None  # decision cache: plans by fingerprint
@@ -133,6 +134,7 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
         self.started = time.perf_counter()
         self.deadline = (self.started + settings.time_budget) if settings.time_budget else None
         self.step_seconds = 0.0
+        self.run_is_short = False  # steps= shortened the time budget
         self.compiled: dict | None = None  # set by CompileGate when the compiled form is kept
         self.compile_plan: dict | None = None
 
@@ -173,6 +175,7 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
                 t0 = time.perf_counter()
                 self.reference = Reference(job, snapshot)
                 self.step_seconds = time.perf_counter() - t0
+            self._fit_budget_to_the_run()
             try:
                 with self._phase("capture"):
                     self.cap = self._checked_capture()
@@ -197,7 +200,7 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
             else:
                 CompileGate(self).decide()
             self.settings.knowledge_base.save()
-            if self.settings.profile:
+            if self._profiles():
                 with self._phase("profile"):
                     self._profile()
                 snapshot.restore()
@@ -271,7 +274,13 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
         slower than the fused kernel that replaces it), so the others are decided with it
         applied on top, speculatively; then it is decided itself on the whole step, with the
         kept rewrites in. When it is rejected, the others are decided again at full precision.
+
+        The fused optimizer comes first: it is measured on its own step (no graph rewrite changes
+        it), costs a few pairs of that short step, and is often the largest gain, so a tight
+        time budget (a short run's) spends its first seconds there.
         """
+        if self.job.optimizer is not None:
+            self._decide_optimizer()
         precision = [p for p in self.passes if p.sets_precision]
         others = [p for p in self.passes if not p.sets_precision]
         speculate = [p for p in precision if p.applies_to(self.ctx) is None][:1]
@@ -293,8 +302,10 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
             self._decide_each(others)
             self.report.notes.append(f"{speculate[0].name} was not kept, so the other passes were "
                                      "decided again at full precision")
-        if self.job.optimizer is not None:
-            self._decide_optimizer()
+        # the report lists the optimizer after the passes, as a replayed plan does
+        rows = self.report.decisions
+        self.report.decisions = [d for d in rows if d.pass_name != "fuse_optimizer"] + \
+            [d for d in rows if d.pass_name == "fuse_optimizer"]
 
     def _set_overlay(self, kept: list[KeptPass]) -> None:
         overlay = overlay_for(kept, self.ctx)
@@ -312,7 +323,7 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
     def _decide_optimizer(self) -> None:
         if self._out_of_time():
             d = Decision("fuse_optimizer", False, "not reached",
-                         f"the time budget ({self.settings.time_budget:g} s) ran out first", scope="step")
+                         f"the time budget ({self.budget_seconds:g} s) ran out first", scope="step")
         else:
             with self._phase("measure"):
                 d, self.fused_opt = gate_optimizer(
@@ -412,6 +423,31 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
         replay_on_slot(slot, self.kept, self.ctx)
 
     # --- after deciding ----------------------------------------------------------------------
+    @property
+    def budget_seconds(self) -> float | None:
+        """The deciding time budget in force (time_budget, or less for a short run)."""
+        return None if self.deadline is None else self.deadline - self.started
+
+    def _fit_budget_to_the_run(self) -> None:
+        """With ``steps`` known, deciding gets at most a quarter of the run (rewriter.decide.amortize)."""
+        s = self.settings
+        budget = deciding_budget(s.time_budget, s.steps, self.step_seconds)
+        self.run_is_short = budget is not None and budget != s.time_budget
+        if self.run_is_short:
+            self.deadline = self.started + budget
+            self.report.notes.append(
+                f"time budget: {budget:.0f} s, a quarter of the run (steps={s.steps} of about "
+                f"{1e3 * self.step_seconds:.0f} ms; at least {MIN_BUDGET:.0f} s)")
+
+    def _profiles(self) -> bool:
+        if self.settings.profile != "auto":
+            return bool(self.settings.profile)
+        if self.run_is_short:
+            self.report.notes.append("profile: skipped, the run is short (steps=); profile=True "
+                                     "profiles anyway")
+            return False
+        return True
+
     def _profile(self) -> None:
         """One warm-up and one active step: the report's view, not a measurement."""
         job, report = self.job, self.report

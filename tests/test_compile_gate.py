@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 import rewriter
-from rewriter.decide.amortize import REPAY_FRACTION, Payback, predict_compile_seconds
+from rewriter.decide.amortize import (MIN_BUDGET, REPAY_FRACTION, Payback, deciding_budget,
+                                      predict_compile_seconds)
 from rewriter.devices.backends import get_backend
 from rewriter.devices.compile_cache import is_warm, use_persistent_cache
 from rewriter.devices.executors import executors_for
@@ -339,3 +340,24 @@ def test_with_dtype_the_compiled_form_is_the_half_precision_graph():
     assert "cast_to_half" in fast.report.kept_passes and _compile_row(fast).kept
     assert seen and all("bfloat16" in code for code in seen)  # the compiler got the bf16 graph
     torch.testing.assert_close(fast(x).float(), model(x), rtol=1.6e-2, atol=1e-2)
+
+
+def test_a_short_run_gets_a_quarter_of_its_length_to_decide_in_and_no_report_profile():
+    torch.manual_seed(0)
+    model = ReluMLP().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    fast, _ = rewriter.optimize(model, (torch.randn(8, 16),), optimizer=opt, steps=10,
+                                loss_fn=lambda out: out.pow(2).mean(), gate=QUICK, progress=False,
+                                clock=ControlledClock({"fuse_optimizer": 0.3}), knowledge_base=False)
+    assert any(n.startswith("time budget: 8 s, a quarter of the run") for n in fast.report.notes)
+    assert "profile" not in fast.report.phases and any("profile: skipped" in n for n in fast.report.notes)
+    # the optimizer, decided first, is reached however tight the budget
+    d = next(d for d in fast.report.decisions if d.pass_name == "fuse_optimizer")
+    assert d.kept and d.status == "kept"
+
+
+def test_budget_arithmetic():
+    assert deciding_budget(60.0, None, 0.5) == 60.0  # steps unknown: the time budget
+    assert deciding_budget(60.0, 100, 0.5) == 12.5  # a quarter of 100 steps of 0.5 s
+    assert deciding_budget(60.0, 10, 0.5) == MIN_BUDGET
+    assert deciding_budget(60.0, 10**6, 0.5) == 60.0 and deciding_budget(None, 10**6, 0.5) == 125_000

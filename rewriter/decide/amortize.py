@@ -10,6 +10,10 @@ run is profit and a wrong guess of its length costs little::
     p.break_even, p.repays            # (667, True): repaid within the first 2000 steps
     Payback(20.0, 0.030, 100).repays  # False: a 100-step job never gets its 20 s back
 
+optimize()'s own deciding is a one-time cost too: with ``steps`` known, it gets at most a
+quarter of the run's length (:func:`deciding_budget`, never under ``MIN_BUDGET``), and a run
+that short is not profiled for the report unless asked (``profile=True``).
+
 Before compiling, the cost is predicted (:func:`predict_compile_seconds`) and the saving
 bounded from above by ``MAX_SAVING`` of the step, so a job too short to repay even that best
 case does not pay the compile at all. After compiling, the measured figures decide.
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 DEFAULT_STEPS = 1000  # steps=None with compile="auto": a short fine-tuning run
 REPAY_FRACTION = 0.1  # a one-time cost must be repaid within the first tenth of the run
 MAX_SAVING = 0.5  # before measuring: the most of a step a compiler is assumed to save
+BUDGET_FRACTION = 0.25  # of the run's length, at most, for optimize() to decide in
+MIN_BUDGET = 8.0  # seconds: capture and the first measurements of a small transformer
 # A warm persistent Inductor cache (rewriter.decide.compile_cache): a second process compiled
 # the same training graph in 1.8 s against 17.7 s cold (2-core AMD EPYC, torch 2.13), 0.10;
 # assumed 0.25 so a cache that was cleared is not taken for warm too readily.
@@ -79,6 +85,16 @@ def predict_compile_seconds(nodes: int, training: bool, known_s: float | None = 
         return known_s * (WARM_FACTOR if warm else 1.0)
     base, per_node = COMPILE_COST[training]
     return base + per_node * nodes
+
+
+def deciding_budget(time_budget: float | None, steps: int | None, step_seconds: float) -> float | None:
+    """The seconds optimize() may spend deciding: ``time_budget``, and with ``steps`` known at
+    most ``BUDGET_FRACTION`` of the run (``steps`` steps of ``step_seconds``), at least
+    ``MIN_BUDGET``."""
+    if steps is None:
+        return time_budget
+    cap = max(MIN_BUDGET, BUDGET_FRACTION * steps * step_seconds)
+    return cap if time_budget is None else min(time_budget, cap)
 
 
 def check_steps(steps: object) -> int | None:

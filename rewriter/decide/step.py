@@ -35,7 +35,7 @@ class StepDecisions:
         if self._out_of_time():
             self._reject_all()
             return Decision(p.name, False, "not reached", f"{len(descriptions)} site(s) found; the "
-                            f"time budget ({self.settings.time_budget:g} s) ran out before measuring",
+                            f"time budget ({self.budget_seconds:g} s) ran out before measuring",
                             sites=descriptions, scope="step")
         with self._phase("verify"):
             ok, detail, err = self._verify_candidate()
