@@ -6,13 +6,12 @@ of their top operators::
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from rewriter.profile.rows import OpRow, ProfileLike, is_profile
+from rewriter.profile.rows import NO_MATPLOTLIB, OpRow, ProfileLike, is_profile, write_table_files
 from rewriter.profile.rows import is_operator as _is_operator
 from rewriter.profile.rows import table_cell as _cell
 
@@ -113,12 +112,8 @@ class Comparison:
         if chart:
             paths["chart"] = chart
         else:
-            self.notes.append("chart skipped: matplotlib is not installed (pip install matplotlib)")
-        with open(paths["table"], "w") as f:
-            f.write(self.to_markdown(top_k))
-        with open(paths["json"], "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-        return paths
+            self.notes.append(NO_MATPLOTLIB)
+        return write_table_files(paths, self.to_markdown(top_k), self.to_dict())
 
 
 def _step_line(c: Comparison) -> str:
@@ -198,9 +193,7 @@ def plot_top_ops(before: ProfileLike | Sequence[OpRow],
         plot_top_ops(before, after, "before_after.png", labels=("eager", "optimized"))
     """
     try:
-        from matplotlib.figure import (
-            Figure,  # no pyplot: leaves the user's backend alone
-        )
+        from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
     except ImportError:
         log.info("matplotlib is not installed: chart %s skipped (pip install matplotlib)", path)
         return None

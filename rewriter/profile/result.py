@@ -3,7 +3,6 @@
 Public through :mod:`rewriter.profiling`."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -12,7 +11,7 @@ from rewriter.profile.advisor import advise, findings_to_markdown
 from rewriter.profile.compare import plot_top_ops
 from rewriter.profile.op_analysis import OpAnalysis
 from rewriter.profile.roofline import describe_origins, plot_roofline
-from rewriter.profile.rows import KernelRow, OpRow, Signature
+from rewriter.profile.rows import NO_MATPLOTLIB, KernelRow, OpRow, Signature, write_table_files
 from rewriter.profile.rows import is_operator as _is_operator
 from rewriter.profile.rows import table_cell as _cell
 
@@ -137,14 +136,10 @@ class ProfileResult:
             roof = plot_roofline(a.rows, a.peaks, os.path.join(out_dir, "roofline.png"), title=self.label)
             if roof:
                 paths["roofline"] = roof
-        elif "chart skipped" not in " ".join(self.notes):
-            self.notes.append("chart skipped: matplotlib is not installed (pip install matplotlib)")
+        elif not any("chart skipped" in n for n in self.notes):
+            self.notes.append(NO_MATPLOTLIB)
         self.files.update(paths)
-        with open(paths["table"], "w") as f:
-            f.write(self.to_markdown(top_k))
-        with open(paths["json"], "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-        return paths
+        return write_table_files(paths, self.to_markdown(top_k), self.to_dict())
 
 
 def top_line(r: OpRow) -> str:

@@ -6,6 +6,7 @@ needs nothing from rewriter.profiling, which renders the advisor's findings)::
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -81,3 +82,15 @@ def is_profile(x: Any) -> bool:
 
 __all__ = ["OpRow", "KernelRow", "ProfileLike", "Shape", "Signature", "is_profile", "is_operator",
            "table_cell"]
+
+
+NO_MATPLOTLIB = "chart skipped: matplotlib is not installed (pip install matplotlib)"
+
+
+def write_table_files(paths: dict[str, str], markdown: str, data: dict) -> dict[str, str]:
+    """A table's two files: ``paths["table"]`` (Markdown) and ``paths["json"]``; returns ``paths``."""
+    with open(paths["table"], "w") as f:
+        f.write(markdown)
+    with open(paths["json"], "w") as f:
+        json.dump(data, f, indent=2)
+    return paths
