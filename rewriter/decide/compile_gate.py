@@ -130,9 +130,11 @@ class CompileGate:
 
     def _nodes(self) -> int:
         """Calls in the graphs the compiler gets: a regional capture's block graphs (one per
-        class and signature), else every graph of the model."""
+        class and signature) when rewrites are kept, else every graph of the model (nothing
+        kept: the original model is compiled, see ``_build``)."""
         r = self.run
-        slots = [s for s in r.cap.slots if s.block is not None] or list(r.cap.slots)
+        blocks = [s for s in r.cap.slots if s.block is not None] if r.kept else []
+        slots = blocks or list(r.cap.slots)
         graphs = [s.kept_run if r.kept else s.original for s in slots]
         return sum(1 for g in graphs for n in g.graph.nodes
                    if n.op in ("call_function", "call_method", "call_module"))
