@@ -5,6 +5,7 @@
     print(fast.report)
 """
 from rewriter.api import optimize
+from rewriter.capture.graph_export import load_exported
 from rewriter.capture.install import restore
 from rewriter.decide.gate import GateSettings
 from rewriter.devices import amp
@@ -27,6 +28,8 @@ __version__ = "0.1.0"
 __all__ = [
     # entry point and its result
     "optimize", "OptimizedModel", "Report", "Decision", "restore",
+    # the offline script's written graphs, loaded onto a model (graphs/optimized_model.py)
+    "load_exported",
     # bringing your own pass
     "Pass", "PassContext", "Site", "register_pass", "registered_passes",
     # the gradient step and mixed precision (amp.register_half_function, ...)

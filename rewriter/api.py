@@ -126,11 +126,6 @@ def optimize(
             ("inductor", "npugraphs", ...) or a torch.compile backend callable: that one, as
             True. Inductor's persistent caches are kept beside the knowledge base
             (``<folder>/inductor``) unless ``TORCHINDUCTOR_CACHE_DIR`` is set.
-        steps: how many steps (training) or calls (inference) the run will make; one-time
-            costs must repay within a tenth of it. The trainer integrations pass theirs
-            (transformers' ``max_steps``, Lightning's ``estimated_stepping_batches``). None:
-            1000 for ``compile="auto"`` (a short fine-tuning run), not weighed for others.
-
         regional: decide per repeated block and install the result in every instance
             (rewriter.capture.blocks, rewriter.capture.install): each block class (modules of one class repeated
             in a ModuleList/Sequential; a transformers model's ``_no_split_modules``) is
@@ -142,6 +137,12 @@ def optimize(
             takes them off. "auto" (default): when the model has blocks and does not trace
             whole with symbolic_trace, or names its blocks (``_no_split_modules``); True: when
             it has blocks; False: one capture of the whole model.
+        steps: how many steps (training) or calls (inference) the run will make; one-time
+            costs must repay within a tenth of it. The trainer integrations pass theirs
+            (transformers' ``max_steps``, Lightning's ``estimated_stepping_batches``). None:
+            1000 for ``compile="auto"`` (a short fine-tuning run), not weighed for others.
+            Known, it also bounds deciding: ``time_budget`` becomes at most a quarter of the
+            run (at least 8 s).
 
     Returns:
         The optimized model, or ``(model, optimizer)`` when an optimizer is given.

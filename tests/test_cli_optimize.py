@@ -113,6 +113,7 @@ def test_fx_capture_writes_a_module_that_runs_on_the_original_parameters(tmp_pat
         "graphs/optimized_model_constants/_tensor_constant0.bin"]
     source = (out / "graphs/optimized_model.py").read_text()
     assert "scaled_dot_product_attention" in source and "softmax" not in source
+    assert "from rewriter import load_exported" in source  # its usage names the public import
 
     # A freshly built model with other weights: the module must compute with THOSE weights.
     model = tiny_models.AttentionBlock().eval()

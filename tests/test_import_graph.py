@@ -102,6 +102,8 @@ def test_public_imports_keep_working():
     assert callable(rewriter.optimize) and callable(rewriter.restore)
     assert isinstance(rewriter.Pass, type)
     assert callable(rewriter.amp.register_half_function)
+    from rewriter.capture import graph_export
+    assert rewriter.load_exported is graph_export.load_exported  # what written graphs tell users to import
     for name in profiling.__all__:
         assert hasattr(profiling, name), name
     assert callable(profiling.profile_model) and callable(profiling.compare)

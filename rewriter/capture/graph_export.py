@@ -137,7 +137,7 @@ def module_source(gm: GraphModule, original: nn.Module, kept: list[str], trainin
         "It holds no weights: it runs on the original model's parameters and buffers (shared, not",
         "copied), so load checkpoints into the original model as usual::",
         "",
-        "    from rewriter.capture.graph_export import load_exported",
+        "    from rewriter import load_exported",
         f"    rewritten = load_exported(\"{MODULE_FILE}\").load(model)   # model: the original {name}",
         "    y = rewritten(*inputs)",
         "",

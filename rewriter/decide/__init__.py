@@ -8,5 +8,6 @@ rewrites (:mod:`~rewriter.decide.kept`) with a decision per site or step. Per re
 of them: paired timing (:mod:`~rewriter.decide.gate`), numerics (:mod:`~rewriter.decide.verify`
 against :mod:`~rewriter.decide.reference`), peak memory (:mod:`~rewriter.decide.memory`), the
 knowledge base and plan replay (:mod:`~rewriter.decide.knowledge`, :mod:`~rewriter.decide.replay`),
+one-time costs weighed against the run's length (:mod:`~rewriter.decide.amortize`),
 and the snapshot that leaves the user's state as it was (:mod:`~rewriter.decide.state`).
 """

@@ -3,7 +3,8 @@
 Takes a device (``"cpu"``, ``"cuda"``, ``"npu"``); gives its backend with the fused replacements
 it offers (:mod:`~rewriter.devices.backends`, gated on the chip and torch_npu release by
 :mod:`~rewriter.devices.npu_capabilities`), its graph compilers as candidates
-(:mod:`~rewriter.devices.executors`), mixed precision (:mod:`~rewriter.devices.amp`), fused
+(:mod:`~rewriter.devices.executors`) and their persistent caches
+(:mod:`~rewriter.devices.compile_cache`), mixed precision (:mod:`~rewriter.devices.amp`), fused
 optimizers (:mod:`~rewriter.devices.optimizers`), host settings (:mod:`~rewriter.devices.host`)
 and one plan for every rank (:mod:`~rewriter.devices.distributed`).
 """
