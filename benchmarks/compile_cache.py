@@ -1,5 +1,6 @@
 """How much a second compile costs with Inductor's caches warm: ``optimize(compile=True)`` on
-the same model in two fresh processes sharing one Inductor cache directory (a new, empty one)::
+the same model in two fresh processes sharing one knowledge base folder (a new, empty one), and
+so the Inductor cache optimize() keeps beside it (rewriter.devices.compile_cache)::
 
     python -m benchmarks.compile_cache                 # llama, training, the benchmark sizes
     python -m benchmarks.compile_cache --quick         # tiny sizes
@@ -27,7 +28,7 @@ def child(model: str, quick: bool, training: bool) -> dict:
     opt = plain_optimizer(case.model, training)
     options = {"optimizer": opt, "loss_fn": case.loss_fn} if training else {}
     result = rewriter.optimize(case.model, case.inputs, compile=True, passes=[], profile=False,
-                               progress=False, knowledge_base=False, time_budget=None, **options)
+                               progress=False, time_budget=None, **options)  # knowledge base: $REWRITER_KNOWLEDGE_BASE
     fast = result[0] if training else result
     d = next(d for d in fast.report.decisions if d.pass_name == "compile")
     return {"compile_seconds": (d.measurement or {}).get("compile_seconds"), "status": d.status,
@@ -46,8 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     cmd = [sys.executable, "-m", "benchmarks.compile_cache", "--child", "--model", args.model,
            "--mode", args.mode] + (["--quick"] if args.quick else [])
-    with tempfile.TemporaryDirectory(prefix="inductor-cache-") as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+    with tempfile.TemporaryDirectory(prefix="rewriter-kb-") as folder:
+        env = dict(os.environ, REWRITER_KNOWLEDGE_BASE=os.path.join(folder, "knowledge_base.json"))
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # optimize() puts Inductor's caches beside the base
         for run in ("first (cold cache)", "second (warm cache)"):
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode != 0:
@@ -55,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1
             r = json.loads(done.stdout.strip().splitlines()[-1])
             print(f"{run}: first compiled step {r['compile_seconds']:.1f} s (compile {r['status']})")
+        print(f"Inductor's cache: {os.path.join(folder, 'inductor')} "
+              f"({'present' if os.path.isdir(os.path.join(folder, 'inductor')) else 'absent'})")
     return 0
 
 

@@ -28,9 +28,9 @@ REPAY_FRACTION = 0.1  # a one-time cost must be repaid within the first tenth of
 MAX_SAVING = 0.5  # before measuring: the most of a step a compiler is assumed to save
 BUDGET_FRACTION = 0.25  # of the run's length, at most, for optimize() to decide in
 MIN_BUDGET = 8.0  # seconds: capture and the first measurements of a small transformer
-# A warm persistent Inductor cache (rewriter.decide.compile_cache): a second process compiled
-# the same training graph in 1.8 s against 17.7 s cold (2-core AMD EPYC, torch 2.13), 0.10;
-# assumed 0.25 so a cache that was cleared is not taken for warm too readily.
+# A warm persistent Inductor cache (rewriter.devices.compile_cache): `python -m
+# benchmarks.compile_cache` gave 5.1 s against 24.1 s cold (llama, training, 2-core AMD EPYC,
+# torch 2.13), 0.21; assumed 0.25.
 WARM_FACTOR = 0.25
 
 # Inductor's first compile of one graph, in a fresh process with a cold cache: seconds =
