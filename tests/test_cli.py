@@ -28,3 +28,15 @@ def test_help_lists_the_subcommands(capsys):
     assert e.value.code == 0
     assert all(name in out for name in ("demo", "optimize", "profile"))
     assert "package.module:factory" in out  # the SPEC forms are explained
+
+
+def test_python_dash_m_runs_the_same_command_line():
+    # ``python -m rewriter.cli`` runs the module as a script: everything main() uses must be
+    # defined before its ``__main__`` guard
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "rewriter.cli", "optimize", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--steps N" in done.stdout
