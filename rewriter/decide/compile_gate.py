@@ -19,8 +19,8 @@ even saving half of every step would not repay it within the first tenth of the 
 (``optimize(steps=...)``, default 1000 for "auto"); a compiled form that measures faster is
 kept only when its measured saving repays its measured compile seconds likewise (with
 ``steps`` given, or "auto"). The row gives the cost, the saving and the break-even step.
-Inductor's persistent caches live beside the knowledge base (rewriter.devices.compile_cache). A compile that raises is
-reported with its reason and the eager graphs run. The decision goes into the knowledge base
+Inductor's persistent caches live beside the knowledge base (rewriter.devices.compile_cache).
+A compile that raises is reported with its reason and the eager graphs run. The decision goes into the knowledge base
 (keyed by executor, device, versions, mode, dtype, the rewritten graphs and the inputs) and the
 plan, so a later run compiles and verifies but does not measure again.
 """
@@ -74,12 +74,14 @@ class CompileGate:
         steps = self.steps()
         tried = []
         for ex in found:
-            skip = self._not_worth_compiling(ex, steps) if choice == "auto" else None
+            key = self._key(ex)
+            known = r.settings.knowledge_base.get(key)
+            skip = self._not_worth_compiling(ex, steps, known) if choice == "auto" else None
             if skip is not None:
                 r.report.decisions.append(skip)
                 log.info("rewriter: compile (%s): not tried: %s", ex.name, skip.reason)
             else:
-                tried.append(self._try(ex, steps))
+                tried.append(self._try(ex, steps, key, known))
         kept = [(d, runner, ex) for d, runner, ex in tried if d.kept]
         best = max(kept, key=lambda t: t[0].speedup or 0.0) if kept else None
         for d, _, ex in tried:
@@ -100,21 +102,22 @@ class CompileGate:
             return r.settings.steps
         return DEFAULT_STEPS if r.settings.compile == "auto" else None
 
-    def _not_worth_compiling(self, ex: Executor, steps: int | None) -> Decision | None:
+    def _not_worth_compiling(self, ex: Executor, steps: int | None, known: dict | None) -> Decision | None:
         """A row saying why compiling is not tried, when its predicted cost cannot be repaid
-        within the run even at the best saving there is reason to expect; None: try it."""
+        within the run even at the best saving there is reason to expect (``known``: the
+        knowledge base's entry for this compile); None: try it."""
         if steps is None:
             return None
         r = self.run
         cache = cache_folder(r.settings.knowledge_base.path) if ex.backend == "inductor" else None
-        known = r.settings.knowledge_base.get(self._key(ex))
         known_s = known.get("compile_seconds") if known else None
-        warm = (known_s is not None and not known.get("compile_warm")
-                and known.get("compile_cache") == cache and is_warm(cache))
+        # a cold figure, and the cache it was compiled into still holds it: the next is warm
+        warm = known_s is not None and not known.get("compile_warm") and _cached(known, cache)
         nodes = self._nodes()
         cost = predict_compile_seconds(nodes, r.job.training, known_s, warm)
-        if _step_ms(known) is not None:
-            saving, basis = _step_ms(known) / 1e3, "the knowledge base's"
+        known_ms = _step_ms(known)
+        if known_ms is not None:
+            saving, basis = known_ms / 1e3, "the knowledge base's"
         else:
             saving, basis = MAX_SAVING * r.step_seconds, f"at most {MAX_SAVING:.0%} of the step"
         p = Payback(cost, saving, steps)
@@ -145,12 +148,11 @@ class CompileGate:
             return None
         return use_persistent_cache(self.run.settings.knowledge_base.path)
 
-    def _try(self, ex: Executor, steps: int | None = None) -> tuple[Decision, Callable[..., Any] | None, Executor]:
+    def _try(self, ex: Executor, steps: int | None, key: str,
+             known: dict | None) -> tuple[Decision, Callable[..., Any] | None, Executor]:
         r = self.run
-        key = self._key(ex)
-        known = r.settings.knowledge_base.get(key)
         cache = self._cache(ex)
-        warm = known is not None and known.get("compile_cache") == cache and is_warm(cache)
+        warm = _cached(known, cache)  # this compile loads what an earlier one stored
         runner, compile_s, problem = self._build(ex)
         if problem is not None:
             return self._failed(ex, "raised", problem), None, ex
@@ -177,8 +179,9 @@ class CompileGate:
                                                     "compile_seconds": round(compile_s, 3),
                                                     "compile_cache": cache, "compile_warm": warm})
         m_dict["compile_seconds"] = round(compile_s, 3)
-        if steps is not None and _step_ms(m_dict) is not None:
-            p = Payback(compile_s, _step_ms(m_dict) / 1e3, steps)
+        saved_ms = _step_ms(m_dict)
+        if steps is not None and saved_ms is not None:
+            p = Payback(compile_s, saved_ms / 1e3, steps)
             m_dict.update(p.to_dict())
             if keep and not p.repays:
                 keep, reason = False, f"does not repay within the run: {p.describe()}; {reason}"
@@ -313,3 +316,8 @@ def _step_ms(figures: dict | None) -> float | None:
     if not figures or figures.get("baseline_ms") is None or figures.get("candidate_ms") is None:
         return None
     return figures["baseline_ms"] - figures["candidate_ms"]
+
+
+def _cached(known: dict | None, cache: str | None) -> bool:
+    """Whether the compile ``known`` records went into ``cache``, and it still holds artefacts."""
+    return known is not None and known.get("compile_cache") == cache and is_warm(cache)
