@@ -127,7 +127,7 @@ class CompileGate:
             else f"predicted from {nodes} graph nodes"
         return Decision(NAME, False, "not tried",
                         f"{ex.name}: would not repay within the run ({source}; saving {basis}): "
-                        f"{p.describe()}", scope="step", sites=[ex.name],
+                        f"{p.describe()}", scope="step",  # no sites: nothing was compiled
                         measurement={"predicted_compile_seconds": round(cost, 3), "nodes": nodes,
                                      **p.to_dict()})
 
