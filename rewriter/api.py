@@ -13,9 +13,11 @@ import torch.nn as nn
 from rewriter.capture.install import restore
 from rewriter.decide.amortize import check_steps
 from rewriter.decide.gate import Clock, GateSettings
+from rewriter.decide.generation import check_generate, generation_for
 from rewriter.decide.job import Job, model_device, split_inputs
 from rewriter.decide.knowledge import KnowledgeBase
 from rewriter.decide.memory import check_objective
+from rewriter.decide.state import preserved_state
 from rewriter.devices import distributed
 from rewriter.devices.backends import Backend, get_backend
 from rewriter.pass_api import Pass, PassContext, resolve_passes
@@ -52,6 +54,7 @@ def optimize(
     compile: bool | str | Callable[..., Any] = "auto",
     regional: bool | str = "auto",
     steps: int | None = None,
+    generate: bool | int | str = "auto",
 ) -> OptimizedModel | tuple[OptimizedModel, torch.optim.Optimizer]:
     """Rewrite ``model`` and keep each rewrite only if it measures faster and matches numerically.
 
@@ -142,7 +145,16 @@ def optimize(
             (transformers' ``max_steps``, Lightning's ``estimated_stepping_batches``). None:
             1000 for ``compile="auto"`` (a short fine-tuning run), not weighed for others.
             Known, it also bounds deciding: ``time_budget`` becomes at most a quarter of the
-            run (at least 8 s).
+            run (at least 8 s). With a generation workload, a step is one prefill and its
+            decode calls.
+        generate: inference of a model that generates with a KV cache (rewriter.decide.generation):
+            the measured step is a prefill of ``example_inputs`` (the prompt: ``input_ids``,
+            optionally ``attention_mask``) followed by decode calls, one new token each against
+            the cache, fed the original model's own greedy tokens; the prefill and the decode
+            signatures are decided together, and ``fast.generate(...)`` runs them. "auto"
+            (default): for a model that says it can generate (transformers' ``can_generate()``)
+            and returns a cache, 8 decode calls, else one call; True: the same, an error when
+            the model has no decode call; an int: that many decode calls; False: one call.
 
     Returns:
         The optimized model, or ``(model, optimizer)`` when an optimizer is given.
@@ -174,6 +186,7 @@ def optimize(
         raise ValueError(f"compile must be 'auto', True, False, one of {sorted(COMPILE_CHOICES - {'auto'})} "
                          f"or a torch.compile backend callable, got {compile!r}")
     steps = check_steps(steps)
+    generate = check_generate(generate)
     if profile not in (True, False, "auto"):
         raise ValueError(f"profile must be True, False or 'auto', got {profile!r}")
     if regional not in ("auto", True, False):
@@ -205,10 +218,18 @@ def optimize(
         if training and not any(p.requires_grad for p in model.parameters()):
             training = False  # nothing to train: the step is the forward pass
         job = Job(model, args, kwargs, backend, training, optimizer, loss_fn, dtype)
+        note = ""
+        if not training:
+            with preserved_state(model, None, backend.rng_states()):
+                job.generation, note = generation_for(model, args, kwargs, generate)
         with _progress_to_stderr(progress):
             if not distributed.is_multi_rank():
-                return run_pipeline(job, chosen, settings)
-            return _run_on_every_rank(job, chosen, settings)
+                outcome = run_pipeline(job, chosen, settings)
+            else:
+                outcome = _run_on_every_rank(job, chosen, settings)
+        if note:
+            outcome.report.notes.append(note)
+        return outcome
 
     result = OptimizedModel(model, pending=run)
     if example_inputs is None:

@@ -1,6 +1,8 @@
 """The ``rewriter`` command line: the offline rewrite script.
 
     rewriter demo [--out DIR]        optimize the built-in example and print the report
+    rewriter demo --generate         serve a small causal LM: prefill and decode decided,
+                                     greedy generate(), tokens/s, which graphs ran rewritten
     rewriter optimize SPEC --out DIR [--train] [--dtype bf16|fp16] [--plan PLAN]
                      [--cache-dir DIR] [--loss SPEC] [--input SHAPE ...] [--device DEV]
                      [--bind-cores] [--aoe DIR] [--objective time|memory] [--memory-slowdown S]
@@ -32,6 +34,7 @@ import argparse
 import contextlib
 import logging
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -81,6 +84,9 @@ def _demo(args: argparse.Namespace) -> int:
     import rewriter
     from rewriter.examples import tuned_block
 
+    if args.generate:
+        return _demo_generate(args)
+
     model, inputs = tuned_block()
     print(f"rewriter demo: {type(model).__name__} on {inputs[0].shape[0]}x{inputs[0].shape[1]} "
           f"tokens, inference, torch {torch.__version__}, cpu threads {torch.get_num_threads()}",
@@ -93,6 +99,49 @@ def _demo(args: argparse.Namespace) -> int:
         fast.report.save(args.out)
         print(f"report and plan written to {os.path.abspath(args.out)}", file=sys.stderr)
     return 0
+
+
+def _demo_generate(args: argparse.Namespace) -> int:
+    """Serve a small causal LM: optimize() on its prompt (prefill and decode decided), then
+    greedy generate() through the result, its tokens/s, and which signatures ran rewritten."""
+    import rewriter
+    from rewriter.examples import tiny_causal_lm
+
+    model, prompt = tiny_causal_lm()
+    new_tokens = 48
+    print(f"rewriter demo --generate: {type(model).__name__} ({model.config.num_hidden_layers} "
+          f"layers), prompt 1x{prompt.shape[1]}, {new_tokens} new tokens, torch {torch.__version__}, "
+          f"cpu threads {torch.get_num_threads()}", file=sys.stderr)
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    fast = rewriter.optimize(model, example_inputs=(prompt,), clock=_make_clock())
+    print(fast.report.to_markdown())
+
+    def serve(n: int) -> tuple[torch.Tensor, float]:  # the serving loop's one call
+        started = time.perf_counter()
+        with torch.no_grad():
+            out = fast.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return out, time.perf_counter() - started
+
+    before = {g["graph"]: g["runs"] for g in fast.graph_runs()}
+    got, _ = serve(new_tokens)
+    ran = [g for g in fast.graph_runs() if g["runs"] > before.get(g["graph"], 0)]
+    firsts = [serve(1)[1] for _ in range(3)]
+    wholes = [serve(new_tokens)[1] for _ in range(3)]
+    prefill, whole = statistics.median(firsts), statistics.median(wholes)
+    print("## Serving (this process, fast.generate; rates, not a comparison: see benchmarks/generate.py)\n")
+    print(f"- tokens identical to the original model's: {bool(torch.equal(got, want))}")
+    print(f"- prefill: {prompt.shape[1] / prefill:.0f} tokens/s; decode: "
+          f"{(new_tokens - 1) / max(whole - prefill, 1e-9):.0f} tokens/s (median of 3)")
+    print("- graphs that ran in one generate(): " + (", ".join(
+        f"{g['graph']} ({g['runs'] - before.get(g['graph'], 0)} runs, "
+        f"{'rewritten' if g['rewritten'] else 'as captured'})" for g in ran) or
+        f"none: the original model runs ({fast.report.final.get('reason', '')})"))
+    if args.out:
+        fast.report.save(args.out)
+        print(f"report and plan written to {os.path.abspath(args.out)}", file=sys.stderr)
+    fast.restore()
+    return 0 if torch.equal(got, want) else 1
 
 
 # --- optimize ------------------------------------------------------------------------------
@@ -433,6 +482,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="optimize the built-in example and print the report")
     demo.add_argument("--out", help="also write report.json, report.md and plan.json here")
+    demo.add_argument("--generate", action="store_true",
+                      help="serve a small causal LM instead (needs transformers): optimize() "
+                           "decides prefill and decode, then greedy generate(), tokens/s")
     demo.set_defaults(run=_demo)
 
     opt = sub.add_parser("optimize", help="optimize a model from a factory; write plan, report, "

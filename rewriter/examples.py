@@ -44,3 +44,20 @@ def tuned_block(batch: int = 4, seq: int = 256) -> tuple[nn.Module, tuple[torch.
     torch.manual_seed(0)
     model = TunedBlock(max_len=seq).eval()
     return model, (torch.randn(batch, seq, 1024),)
+
+
+def tiny_causal_lm(layers: int = 3, hidden: int = 384, prompt: int = 32) -> tuple[nn.Module, torch.Tensor]:
+    """What ``rewriter demo --generate`` serves: a Qwen2-like causal LM (transformers' config,
+    random weights, eval mode, 8000 words, seeded) and a 1 x ``prompt`` prompt of token ids."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise RuntimeError("the generation example builds a transformers model: "
+                           "pip install 'transformers>=4.45'") from e
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(num_hidden_layers=layers, hidden_size=hidden,
+                                   intermediate_size=hidden * 8 // 3, num_attention_heads=6,
+                                   num_key_value_heads=2, vocab_size=8000,
+                                   max_position_embeddings=512, attn_implementation="eager")
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    return model, torch.randint(0, cfg.vocab_size, (1, prompt))

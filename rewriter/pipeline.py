@@ -119,6 +119,8 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
         self.report = Report(model=type(job.model).__name__, device=job.backend.name, mode=job.mode,
                              dtype=str(job.dtype).replace("torch.", "") if job.dtype else None,
                              objective=settings.objective)
+        if job.generation is not None:
+            self.report.workload = job.generation.describe(job.args, job.kwargs)
         self.clock = settings.clock or device_clock(job.backend)
         self.ctx = PassContext(job.backend, job.training, job.dtype, objective=settings.objective)
         # peak bytes of one run of a step: a controlled clock injects them in tests

@@ -70,6 +70,8 @@ class Report:
     # Regional rewriting: per block class, its instances, the graphs that run for it, the kept
     # passes that rewrite them (rewriter.capture.front_ends.RegionalCapture.block_rows)
     blocks: list[dict] = field(default_factory=list)
+    # What one measured step is, where it is not one call (a generation: prefill + decode calls)
+    workload: str = ""
 
     def attach_profiles(self, **profiles: Any) -> None:
         """The ProfileResults the report's tables came from (``original=``, ``optimized=``):
@@ -124,6 +126,8 @@ class Report:
                  f"- device: {self.device}; mode: {self.mode}; dtype: {self.dtype or 'fp32 numerics (no precision lowering)'}",
                  f"- front-end: {self.front_end or 'none'} ({self.front_end_reason}); graphs: {self.graphs}",
                  f"- time spent optimizing: {self.optimize_seconds:.1f} s"]
+        if self.workload:
+            lines.append(f"- step: {self.workload}")
         if self.plan_status:
             lines.append(f"- plan: {self.plan_status}")
         if self.final:

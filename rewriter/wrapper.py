@@ -83,6 +83,24 @@ class OptimizedModel(nn.Module):
             return {}
         return outcome.capture.graph_code()
 
+    def graph_runs(self) -> list[dict]:
+        """Each captured graph (one per signature): its name, the block class it is the forward
+        of (None: a graph around the blocks), how often it has run since it was captured
+        (optimize()'s own runs included), and whether what runs for it is rewritten. Two
+        readings around a workload say which signatures it ran, and whether rewritten::
+
+            before = {g["graph"]: g["runs"] for g in fast.graph_runs()}
+            fast.generate(prompt, max_new_tokens=32)
+            ran = [g for g in fast.graph_runs() if g["runs"] > before.get(g["graph"], 0)]
+        """
+        outcome = self.__dict__["_outcome"]
+        if outcome is None or outcome.capture is None:
+            return []
+        live = not outcome.use_original
+        return [{"graph": s.name, "block": s.block, "runs": s.runs,
+                 "rewritten": live and (s.kept is not s.original or s.overlay is not None)}
+                for s in outcome.capture.slots]
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)

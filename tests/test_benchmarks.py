@@ -243,3 +243,22 @@ def test_the_regional_table_compares_depth_with_its_floor_and_torch_compile():
     assert "growth of the fixed whole-model runs (4.50 s): 14.50 s." in md
     assert "14.0 / 70.0 = 0.20." in md
     assert "| fuse_rms_norm | 9 | rejected | 9 | rejected |" in md
+
+
+def test_the_generation_table_gives_speedups_rates_and_what_optimize_decided():
+    from benchmarks.generate import NEW_TOKENS, _decode_rate, markdown
+    row = {"config": "optimize", "what": "rewriter.optimize() defaults", "one_time_s": 12.0,
+           "new_length_first_call_s": 0.21, "tokens_equal_to_eager": "48/48", "prefill_speedup": 1.1,
+           "prefill_noise": 0.02, "generate_speedup": 0.99, "generate_noise": 0.01,
+           "eager_prefill_tok_s": 900.0, "prefill_tok_s": 990.0, "eager_decode_tok_s": 280.0,
+           "decode_tok_s": 277.0, "kept": [], "workload": "generate: a prefill", "whole_model": "slower",
+           "block_graphs": [["B.graph_0", "B.graph_1"]]}
+    result = {"machine": {"cpu": "test cpu", "isa": {}, "cpu_count": 2, "torch": "2.13", "transformers": "5",
+                          "date": "today", "load_average_at_start": 0.1},
+              "dtype": "float32", "model": "tiny", "rows": [row]}
+    md = markdown(result, "python -m benchmarks.generate")
+    assert "| optimize | 12.0 | 0.21 | 48/48 | 1.1x ±0.02 | 0.99x ±0.01 | 990.0 (900.0) | 277.0 (280.0) |" in md
+    assert "kept: nothing; whole model: slower" in md
+    # 47 further tokens in the 470 ms a 48-token call takes beyond a 1-token one
+    assert _decode_rate(520.0, 50.0) == round((NEW_TOKENS - 1) / 0.47, 1)
+    assert _decode_rate(50.0, 50.0) is None

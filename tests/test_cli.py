@@ -19,6 +19,24 @@ def test_demo_runs_and_writes_report(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "plan.json").exists()
 
 
+def test_demo_generate_serves_the_original_tokens_and_names_the_graphs_that_ran(capsys, monkeypatch):
+    import pytest
+    pytest.importorskip("transformers")
+    from rewriter import examples
+    real = examples.tiny_causal_lm
+    monkeypatch.setattr(examples, "tiny_causal_lm", lambda: real(layers=2, hidden=48, prompt=8))
+    monkeypatch.setenv("REWRITER_KNOWLEDGE_BASE", "off")
+    from tests.controlled import ControlledClock
+    from tests.test_transformers import ALL_FASTER
+    monkeypatch.setattr(cli, "_make_clock", lambda: ControlledClock(ALL_FASTER))  # every pass kept
+    assert cli.main(["demo", "--generate"]) == 0  # 1 when the tokens differ from the original's
+    out = capsys.readouterr().out
+    assert "# rewriter report: Qwen2ForCausalLM" in out and "- step: generate: a prefill of 1x8" in out
+    assert "tokens identical to the original model's: True" in out
+    ran = out.split("graphs that ran in one generate(): ")[1]
+    assert "Qwen2DecoderLayer.graph_" in ran and "rewritten" in ran
+
+
 def test_help_lists_the_subcommands(capsys):
     import pytest
 

@@ -91,7 +91,7 @@ class CaptureStage:
         before = len(cap.slots)
         grad = torch.enable_grad() if self.job.training else torch.no_grad()  # as Dynamo saw it
         with switched(cap.switch, deterministic=True), grad:
-            cap(*self.job.args, **self.job.kwargs)  # forward only: guards are checked there
+            self.job.call(cap)  # forward only: guards are checked there
         self.snapshot.restore()
         if len(cap.slots) > before:
             raise CaptureError("Dynamo recompiles the model at every call (its guards read Python "
@@ -103,6 +103,12 @@ class CaptureStage:
         way) is not a mismatch: beyond the bound, a float64 run of the model judges."""
         counting = cap.counting_calls() if isinstance(cap, RegionalCapture) else contextlib.nullcontext()
         try:
+            if self.job.generation is not None:
+                # The first run makes the graphs, among them a decode graph static in the cache
+                # length that Dynamo supersedes with a dynamic one at the next length: the
+                # counted run is the second, as every later step runs.
+                with switched(cap.switch, deterministic=True), torch.no_grad():
+                    self.job.call(cap)
             with switched(cap.switch, deterministic=True), counting:
                 got = self.job.numerics(cap, deterministic=contextlib.nullcontext())
         except Exception as e:

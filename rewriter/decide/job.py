@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from rewriter.decide.generation import Generation
 from rewriter.decide.verify import dropout_disabled, flatten_output
 from rewriter.devices.backends import Backend
 
@@ -43,6 +44,8 @@ class Job:
     _cotangents: dict = field(default_factory=dict)
     _cast_cotangents: dict = field(default_factory=dict)
     output_type: type | None = None  # of the model's own output, seen in the reference run
+    # Inference of a generating model: the step is a prefill and decode calls (None: one call)
+    generation: Generation | None = None
 
     @property
     def mode(self) -> str:
@@ -91,6 +94,13 @@ class Job:
         return {**self.backend.knowledge_key(), "step timing": STEP_TIMING}
 
     # --- steps -----------------------------------------------------------------------------
+    def call(self, run: Callable[..., Any]) -> Any:
+        """The model's part of one step, with ``run`` standing in for the model: one call on
+        the example inputs, or, for a generation workload, its prefill and decode calls."""
+        if self.generation is not None:
+            return self.generation.run(run, self.args, self.kwargs)
+        return run(*self.args, **self.kwargs)
+
     def step(self, run: Callable[..., Any], optimizer: Any = None) -> Callable[[], None]:
         """One step of the user's job with ``run`` standing in for the model (and ``optimizer``,
         when given, for the job's own)."""
@@ -98,12 +108,12 @@ class Job:
         if not self.training:
             def infer() -> None:
                 with torch.no_grad():
-                    run(*self.args, **self.kwargs)
+                    self.call(run)
             return infer
 
         def train() -> None:
             with torch.enable_grad():
-                self.loss(run(*self.args, **self.kwargs)).backward()
+                self.loss(self.call(run)).backward()
             if opt is not None:
                 opt.step()
             self.zero_grads()
@@ -151,8 +161,8 @@ class Job:
         ctx = deterministic if deterministic is not None else dropout_disabled()
         grad_mode = torch.enable_grad() if self.training else torch.no_grad()
         with ctx, grad_mode:
-            out = run(*self.args, **self.kwargs)
-            if run is self.model:
+            out = self.call(run)
+            if run is self.model and self.generation is None:
                 self.output_type = type(out)
             result = {f"output {path}": t.detach().clone() for path, t in flatten_output(out)}
             if self.training:

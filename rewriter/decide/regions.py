@@ -41,7 +41,7 @@ class RegionDecisions:
     def _regions(self, p: Pass, sites: dict[str, list]) -> tuple[list[tuple[GraphSlot, Region]] | None, str]:
         found: list[tuple[GraphSlot, Region]] = []
         for slot in self.cap.slots:
-            if slot.candidate is None:
+            if slot.candidate is None or slot.calls == 0:  # a graph the step no longer runs
                 continue
             regions = find_regions(slot.kept, slot.candidate, sites[slot.name], p.name, slot.name)
             if isinstance(regions, str):
@@ -328,7 +328,7 @@ class RegionDecisions:
             torch.manual_seed(VERIFY_SEED)
             grad = torch.enable_grad() if self.job.training else torch.no_grad()
             with switched(self.cap.switch, deterministic=True), grad:
-                self.cap(*self.job.args, **self.job.kwargs)
+                self.job.call(self.cap)
         finally:
             for slot in self.cap.slots:
                 slot.recorder = None

@@ -33,6 +33,8 @@ class PlanReplay:
               "inputs": plans.input_signature(job.args, job.kwargs), "front_end": self.cap.front_end,
               "graphs": plans.graph_hash(structure_signature(s.original) for s in self.cap.slots),
               "pass_versions": {p.name: p.version for p in self.passes}}
+        if job.generation is not None:  # a step of 1 + n calls weighs the graphs otherwise
+            fp["decode_calls"] = job.generation.decode_calls
         if self.settings.objective != "time":  # the same graphs decide differently on memory
             fp["objective"] = self.settings.objective
             fp["memory_slowdown"] = self.settings.memory_slowdown

@@ -1,0 +1,173 @@
+"""Generation: greedy ``generate()`` through optimize()'s model, beside eager and the transformers
+recipe (static cache + ``torch.compile(model.forward)``), side by side in one process::
+
+    python -m benchmarks.generate --out benchmarks           # ~3 min on 2 cores
+    python -m benchmarks.generate --dtype bf16 --out /tmp/g  # the same in bf16 weights
+    python -m benchmarks.generate --quick                    # tiny sizes: the script runs
+
+The model is the one issue 32 measured: a Qwen2 config, 3 layers, hidden 384, 8000 words,
+random weights, eval mode, a 1x32-token prompt and 48 new tokens. Each configuration is timed
+against eager, interleaved (``benchmarks.measure.side_by_side``: the median of paired ratios and
+its noise) on two calls: ``generate(max_new_tokens=1)`` (the prefill, and one token picked) and
+``generate(max_new_tokens=48)``. Prefill tokens/s is the prompt over the first; decode tokens/s
+is the 47 further tokens over the difference of the two medians. Also: each configuration's
+one-time cost (optimize(), or the recipe's first call, its compile), the first call at a
+prompt length it never saw (13 tokens longer), and whether its tokens are eager's. Inductor's
+cache is a fresh folder of the run's own (cold).
+
+Writes ``GENERATE.md`` and ``generate.json`` (``generate_bf16.*`` for bf16) into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from benchmarks.measure import BENCH_GATE, QUICK_GATE, isa_text, machine_info, side_by_side
+
+NEW_TOKENS = 48
+SIZES = {"default": dict(layers=3, hidden=384, inter=1024, heads=6, kv=2, vocab=8000, prompt=32),
+         "quick": dict(layers=2, hidden=64, inter=128, heads=4, kv=2, vocab=256, prompt=8)}
+
+
+def build_model(size: dict, dtype: torch.dtype) -> torch.nn.Module:
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(num_hidden_layers=size["layers"], hidden_size=size["hidden"],
+                                   intermediate_size=size["inter"], num_attention_heads=size["heads"],
+                                   num_key_value_heads=size["kv"], vocab_size=size["vocab"],
+                                   max_position_embeddings=512, attn_implementation="eager")
+    return transformers.Qwen2ForCausalLM(cfg).eval().to(dtype)
+
+
+def generator(model: Any, prompt: torch.Tensor, new_tokens: int, **kw: Any) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  do_sample=False, **kw)
+    return run
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    started = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - started
+
+
+def configurations(model: torch.nn.Module, prompt: torch.Tensor) -> dict[str, dict]:
+    """name -> {"model", "kwargs" for generate, "one_time_s", "what"}; each its own copy."""
+    import rewriter
+    configs: dict[str, dict] = {}
+    recipe = copy.deepcopy(model)
+    recipe.forward = torch.compile(recipe.forward)
+    _, first = timed(generator(recipe, prompt, NEW_TOKENS, cache_implementation="static"))
+    configs["static_compile"] = {"model": recipe, "kwargs": {"cache_implementation": "static"},
+                                 "one_time_s": first,
+                                 "what": "transformers' static cache + torch.compile(model.forward) (first call)"}
+    own = copy.deepcopy(model)
+    fast, seconds = timed(lambda: rewriter.optimize(own, example_inputs=(prompt,), knowledge_base=False,
+                                                    progress=False))
+    configs["optimize"] = {"model": fast, "kwargs": {}, "one_time_s": seconds,
+                           "what": "rewriter.optimize() defaults, afresh (optimize() seconds)",
+                           "report": fast.report}
+    return configs
+
+
+def run(size_name: str, dtype: torch.dtype, quick: bool) -> dict:
+    size = SIZES[size_name]
+    model = build_model(size, dtype)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, size["vocab"], (1, size["prompt"]), generator=g)
+    other = torch.randint(0, size["vocab"], (1, size["prompt"] + 13), generator=g)
+    want = generator(model, prompt, NEW_TOKENS)()
+    gate = QUICK_GATE if quick else BENCH_GATE
+    eager_prefill, eager_gen = generator(model, prompt, 1), generator(model, prompt, NEW_TOKENS)
+    rows = []
+    for name, c in configurations(model, prompt).items():
+        m, kw = c["model"], c["kwargs"]
+        got = generator(m, prompt, NEW_TOKENS, **kw)()
+        same = int((got[:, size["prompt"]:] == want[:, size["prompt"]:]).sum())
+        _, new_length_s = timed(generator(m, other, NEW_TOKENS, **kw))
+        pre = side_by_side(eager_prefill, generator(m, prompt, 1, **kw), gate)
+        gen = side_by_side(eager_gen, generator(m, prompt, NEW_TOKENS, **kw), gate)
+        row = {"config": name, "what": c["what"], "one_time_s": round(c["one_time_s"], 1),
+               "new_length_first_call_s": round(new_length_s, 2),
+               "tokens_equal_to_eager": f"{same}/{NEW_TOKENS}",
+               "prefill_speedup": round(pre.speedup, 3), "prefill_noise": round(pre.noise, 3),
+               "generate_speedup": round(gen.speedup, 3), "generate_noise": round(gen.noise, 3),
+               "eager_prefill_tok_s": round(size["prompt"] / (pre.baseline_ms / 1e3), 1),
+               "prefill_tok_s": round(size["prompt"] / (pre.candidate_ms / 1e3), 1),
+               "eager_decode_tok_s": _decode_rate(gen.baseline_ms, pre.baseline_ms),
+               "decode_tok_s": _decode_rate(gen.candidate_ms, pre.candidate_ms)}
+        if "report" in c:
+            r = c["report"]
+            row.update(kept=r.kept_passes, workload=r.workload, whole_model=r.final.get("reason", ""),
+                       block_graphs=[b["graphs"] for b in r.blocks])
+        rows.append(row)
+    return {"machine": machine_info(), "dtype": str(dtype).replace("torch.", ""),
+            "model": f"Qwen2 config, {size['layers']} layers, hidden {size['hidden']}, vocabulary "
+                     f"{size['vocab']}, random weights, eval; prompt 1x{size['prompt']}, {NEW_TOKENS} new tokens",
+            "rows": rows}
+
+
+def _decode_rate(gen_ms: float, prefill_ms: float) -> float | None:
+    extra = gen_ms - prefill_ms
+    return round((NEW_TOKENS - 1) / (extra / 1e3), 1) if extra > 0 else None
+
+
+def markdown(result: dict, command: str) -> str:
+    m = result["machine"]
+    lines = [f"# Generation ({result['dtype']})", "",
+             f"`{command}` — {result['model']}.", "",
+             f"Machine: {m['cpu']} ({isa_text(m)}), {m['cpu_count']} cores, torch {m['torch']}, "
+             f"transformers {m['transformers']}, {m['date']}; load at start {m['load_average_at_start']}.", "",
+             "Speedups over eager generate() in the same process (median of interleaved pairs ± noise).", "",
+             "| config | one-time s | new length first call s | tokens = eager | prefill | generate 48 | "
+             "prefill tok/s (eager) | decode tok/s (eager) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['config']} | {r['one_time_s']} | {r['new_length_first_call_s']} | "
+                     f"{r['tokens_equal_to_eager']} | {r['prefill_speedup']}x ±{r['prefill_noise']} | "
+                     f"{r['generate_speedup']}x ±{r['generate_noise']} | {r['prefill_tok_s']} "
+                     f"({r['eager_prefill_tok_s']}) | {r['decode_tok_s']} ({r['eager_decode_tok_s']}) |")
+    lines += [""] + [f"- {r['config']}: {r['what']}" for r in result["rows"]]
+    for r in result["rows"]:
+        if "workload" in r:
+            lines += [f"- optimize() step: {r['workload'] or 'one call'}; kept: "
+                      f"{', '.join(r['kept']) or 'nothing'}; whole model: {r['whole_model']}; "
+                      f"block graphs: {r['block_graphs']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, few pairs (checks the script runs)")
+    p.add_argument("--out", help="folder for GENERATE.md and generate.json")
+    args = p.parse_args(argv)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    # a cold Inductor cache of this run's own: the recipe's first call is its compile
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="generate_inductor_")
+    result = run("quick" if args.quick else "default", dtype, args.quick)
+    command = "python -m benchmarks.generate" + (" --dtype bf16" if args.dtype == "bf16" else "") + \
+        (" --quick" if args.quick else "")
+    text = markdown(result, command)
+    print(text)
+    if args.out:
+        stem = "generate" + ("_bf16" if args.dtype == "bf16" else "")
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"{stem.upper()}.md"), "w") as f:
+            f.write(text)
+        with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""The generation workload: an eval-mode causal LM is decided on a prefill and decode calls.
+
+A tiny LLaMA (2 decoder layers); decisions come from a controlled clock (every pass faster), so
+what is checked is what the step is made of, which block graphs exist and run for prefill and
+decode, that the tokens are the original model's, and that a new length is served without a
+new decision.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rewriter
+from rewriter.capture.front_ends import GraphSlot
+from rewriter.decide.generation import DEFAULT_DECODE_CALLS, Generation, GenerationUnavailable, check_generate
+from tests.controlled import QUICK, ControlledClock
+from tests.models import ReluMLP
+
+transformers = pytest.importorskip("transformers")
+from tests.test_transformers import ALL_FASTER, LAYERS, VOCAB, _llama  # noqa: E402
+
+PROMPT = 8
+
+
+def _opt(model, inputs, clock=None, **kw):
+    return rewriter.optimize(model, inputs, clock=clock or ControlledClock(ALL_FASTER), gate=QUICK,
+                             progress=False, profile=False, knowledge_base=False, compile=False, **kw)
+
+
+def _prompt(length=PROMPT, batch=1, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, length), generator=g)
+
+
+def _greedy(model, prompt, n):
+    with torch.no_grad():
+        return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+
+@pytest.fixture
+def block_graph_calls(monkeypatch):
+    """Which block graphs ran, and how often, counted in GraphSlot.__call__."""
+    calls: dict[str, int] = {}
+    real = GraphSlot.__call__
+
+    def counted(self, *args, **kwargs):
+        if self.block is not None:
+            calls[self.name] = calls.get(self.name, 0) + 1
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(GraphSlot, "__call__", counted)
+    return calls
+
+
+def test_greedy_tokens_are_the_ones_generate_picks():
+    torch.manual_seed(0)
+    model = _llama().eval()
+    prompt = _prompt()
+    gen = Generation.greedy(model, (prompt,), {}, decode=5)
+    assert gen.decode_calls == 5
+    torch.testing.assert_close(gen.tokens, _greedy(model, prompt, 5)[:, PROMPT:], rtol=0, atol=0)
+    outputs = gen.run(model, (prompt,), {})
+    assert [tuple(o.shape) for o in outputs] == [(1, PROMPT, VOCAB)] + [(1, 1, VOCAB)] * 5
+
+
+def test_the_decode_calls_are_teacher_forced_with_the_mask_carried_on():
+    torch.manual_seed(0)
+    model = _llama().eval()
+    ids = _prompt(batch=2)
+    mask = torch.ones_like(ids)
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return model(*args, **kwargs)
+    gen = Generation.greedy(model, (), {"input_ids": ids, "attention_mask": mask}, decode=3)
+    gen.run(spy, (), {"input_ids": ids, "attention_mask": mask})
+    assert [k["attention_mask"].shape[1] for k in seen] == [PROMPT, PROMPT + 1, PROMPT + 2, PROMPT + 3]
+    for i, k in enumerate(seen[1:]):
+        torch.testing.assert_close(k["input_ids"], gen.tokens[:, i:i + 1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("inputs, problem", [
+    (((torch.randn(1, 4),), {}), "token ids"),
+    (((), {"input_ids": torch.zeros(1, 4, dtype=torch.long), "position_ids": torch.arange(4)[None]}),
+     "position_ids"),
+    (((), {"input_ids": torch.zeros(1, 4, dtype=torch.long), "use_cache": False}), "use_cache=False"),
+    (((), {"input_ids": torch.zeros(1, 32, dtype=torch.long)}), "no room"),  # fills the 32 positions
+])
+def test_a_prompt_with_no_decode_form_is_named(inputs, problem):
+    model = _llama().eval()
+    with pytest.raises(GenerationUnavailable, match=problem):
+        Generation.greedy(model, *inputs, decode=2)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "yes", None])
+def test_generate_argument_is_checked(bad):
+    with pytest.raises(ValueError, match="generate must be"):
+        check_generate(bad)
+    assert check_generate(1) == 1 and check_generate(True) is True and check_generate("auto") == "auto"
+
+
+def test_eval_causal_lm_is_decided_on_prefill_and_decode_and_generate_runs_both(block_graph_calls):
+    torch.manual_seed(0)
+    model = _llama().eval()
+    prompt = _prompt()
+    want = _greedy(model, prompt, 12)
+    fast = _opt(model, (prompt,))
+    r = fast.report
+    assert r.front_end == "regional" and r.kept_passes
+    assert f"{DEFAULT_DECODE_CALLS} decode calls" in r.workload and "step: generate" in r.to_markdown()
+    assert r.plan["fingerprint"]["decode_calls"] == DEFAULT_DECODE_CALLS
+    (block,) = r.blocks
+    assert len(block["graphs"]) >= 2  # the prefill's and the decode's (at least)
+    decided = {s.name for s in fast._outcome.capture.slots}
+    block_graph_calls.clear()
+    got = _greedy(fast, prompt, 12)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # the prefill graph ran once per layer, a decode graph for each of the 11 decode calls
+    assert sum(block_graph_calls.values()) == 12 * LAYERS
+    assert len(block_graph_calls) >= 2
+    # a kept rewrite is in the decode graph generate runs
+    busiest = max(block_graph_calls, key=block_graph_calls.get)
+    assert set(block_graph_calls) <= decided  # decided on, not met for the first time in generate
+    slot = next(s for s in fast._outcome.capture.slots if s.name == busiest)
+    assert slot.kept is not slot.original
+    fast.restore()
+
+
+def test_a_new_prompt_length_is_served_without_deciding_again(block_graph_calls):
+    torch.manual_seed(0)
+    model = _llama().eval()
+    fast = _opt(model, (_prompt(),))
+    cap = fast._outcome.capture
+    before = {s.name for s in cap.slots}
+    decisions = [(d.pass_name, d.status) for d in fast.report.decisions]
+    other = _prompt(length=PROMPT + 5, seed=4)
+    want = _greedy(model, other, 6)
+    block_graph_calls.clear()
+    got = _greedy(fast, other, 6)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    new = {s.name for s in cap.slots} - before
+    # at most one more block graph (the prefill, dynamic in its length from now on); the decode
+    # graph, dynamic in the cache length, serves the longer cache as it is
+    assert len([n for n in new if n.startswith("LlamaDecoderLayer")]) <= 1
+    assert sum(block_graph_calls.values()) == 6 * LAYERS
+    for s in cap.slots:
+        if s.name in new and s.block is not None:
+            assert s.kept is not s.original  # the kept rewrites replayed onto it
+    assert [(d.pass_name, d.status) for d in fast.report.decisions] == decisions
+    fast.restore()
+
+
+def test_generate_false_decides_on_one_call_and_true_insists():
+    torch.manual_seed(0)
+    model = _llama().eval()
+    fast = _opt(model, (_prompt(),), generate=False)
+    assert fast.report.workload == "" and "decode_calls" not in fast.report.plan["fingerprint"]
+    fast.restore()
+    with pytest.raises(ValueError, match="generate=True.*token ids"):
+        _opt(ReluMLP().eval(), (torch.randn(2, 16),), generate=True)
+
+
+def test_auto_on_a_model_that_does_not_generate_is_one_call():
+    fast = _opt(ReluMLP().eval(), (torch.randn(2, 16),))
+    assert fast.report.workload == ""
+
+
+def test_auto_on_a_prompt_with_no_decode_form_says_so():
+    torch.manual_seed(0)
+    model = _llama().eval()
+    ids = _prompt()
+    fast = _opt(model, {"input_ids": ids, "position_ids": torch.arange(PROMPT)[None]})
+    assert fast.report.workload == ""
+    assert any("generate='auto': the step is one call" in n and "position_ids" in n for n in fast.report.notes)
+    fast.restore()
+
+
+def test_measuring_the_generation_leaves_the_model_and_rng_untouched():
+    torch.manual_seed(0)
+    model = _llama().eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    fast = _opt(model, (_prompt(),))
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, state[k], rtol=0, atol=0)
+    assert not model.training
+    fast.restore()
