@@ -104,11 +104,11 @@ class CaptureStage:
         counting = cap.counting_calls() if isinstance(cap, RegionalCapture) else contextlib.nullcontext()
         try:
             if self.job.generation is not None:
-                # The first run makes the graphs, among them a decode graph static in the cache
-                # length that Dynamo supersedes with a dynamic one at the next length: the
-                # counted run is the second, as every later step runs.
+                # Dynamo hands over a graph static in a length at its first call and a dynamic
+                # one at the next length: the warm-up leaves the static ones behind, so the
+                # counted run weighs the graphs every later step runs.
                 with switched(cap.switch, deterministic=True), torch.no_grad():
-                    self.job.call(cap)
+                    self.job.generation.warm_up(cap, self.job.args, self.job.kwargs)
             with switched(cap.switch, deterministic=True), counting:
                 got = self.job.numerics(cap, deterministic=contextlib.nullcontext())
         except Exception as e:

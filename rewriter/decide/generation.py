@@ -55,10 +55,26 @@ class Generation:
     def run(self, run: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
         """The prefill and the decode calls through ``run`` (the model, or what stands in for
         it); their logits, in order."""
+        return self._calls(run, args, kwargs, self.decode_calls)
+
+    def warm_up(self, run: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        """Calls that show Dynamo each shape class before the run that counts: a prompt one
+        token shorter, so the prefill graph it hands over at the real prompt is dynamic in the
+        length (a new prompt length is then served as it is), and two decode calls, so the
+        decode graph is dynamic in the cache length from then on. The graphs these calls leave
+        behind (static in a length) are superseded: the counted run never reaches them."""
+        ids = _prompt(args, kwargs)
+        if ids.shape[1] >= 2:
+            shorter = {k: (v[:, :-1] if k in ("input_ids", "attention_mask") else v) for k, v in kwargs.items()}
+            self._calls(run, (ids[:, :-1],) if args else (), shorter, min(2, self.decode_calls))
+        else:
+            self._calls(run, args, kwargs, min(2, self.decode_calls))
+
+    def _calls(self, run: Callable[..., Any], args: tuple, kwargs: dict, decode: int) -> tuple:
         out = run(*args, **kwargs)
         outputs = [_logits(out)]
         mask = kwargs.get("attention_mask")
-        for i in range(self.decode_calls):
+        for i in range(decode):
             mask = _longer(mask)
             out = run(**_decode_kwargs(self.cache_arg, self.tokens[:, i:i + 1], out, mask))
             outputs.append(_logits(out))
