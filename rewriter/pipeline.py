@@ -120,7 +120,7 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
                              dtype=str(job.dtype).replace("torch.", "") if job.dtype else None,
                              objective=settings.objective)
         if job.generation is not None:
-            self.report.workload = job.generation.describe(job.args, job.kwargs)
+            self.report.workload = job.generation.describe()
         self.clock = settings.clock or device_clock(job.backend)
         self.ctx = PassContext(job.backend, job.training, job.dtype, objective=settings.objective)
         # peak bytes of one run of a step: a controlled clock injects them in tests

@@ -13,6 +13,7 @@ weights stay tied: they are the same objects). Attributes it does not have (``co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
 from typing import Any, Callable
@@ -27,7 +28,7 @@ from rewriter.capture.install import restore as _restore
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.state import preserved_state
 from rewriter.devices import amp
-from rewriter.devices.executors import compiled_runner
+from rewriter.devices.executors import CompiledForward, compiled_runner
 from rewriter.pipeline import Outcome, replay_on_slot
 from rewriter.report import Report
 
@@ -105,7 +106,12 @@ class OptimizedModel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self.__dict__["_model"], name)
+            found = getattr(self.__dict__["_model"], name)
+        compiled = self.__dict__["_compiled"]
+        runner = compiled.get("original") if compiled else None
+        if name == "generate" and isinstance(runner, CompiledForward):
+            return _generating_through(runner, found)
+        return found
 
     def train(self, mode: bool = True) -> "OptimizedModel":
         super().train(mode)
@@ -276,3 +282,11 @@ class _LazyFxRetrace:
         d["_fx_by_mode"][self.training] = runner
         return runner(*args, **kwargs)
 
+
+def _generating_through(runner: CompiledForward, generate: Callable[..., Any]) -> Callable[..., Any]:
+    """The model's ``generate``, calling the compiled forward optimize() kept for it."""
+    @functools.wraps(generate)
+    def generate_compiled(*args: Any, **kwargs: Any) -> Any:
+        with runner.in_place():
+            return generate(*args, **kwargs)
+    return generate_compiled

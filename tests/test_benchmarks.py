@@ -258,7 +258,7 @@ def test_the_generation_table_gives_speedups_rates_and_what_optimize_decided():
               "dtype": "float32", "model": "tiny", "rows": [row]}
     md = markdown(result, "python -m benchmarks.generate")
     assert "| optimize | 12.0 | 0.21 | 48/48 | 1.1x ±0.02 | 0.99x ±0.01 | 990.0 (900.0) | 277.0 (280.0) |" in md
-    assert "kept: nothing; whole model: slower" in md
+    assert "- optimize: step: generate: a prefill; kept: nothing; whole model: slower; compile: no row" in md
     # 47 further tokens in the 470 ms a 48-token call takes beyond a 1-token one
     assert _decode_rate(520.0, 50.0) == round((NEW_TOKENS - 1) / 0.47, 1)
     assert _decode_rate(50.0, 50.0) is None

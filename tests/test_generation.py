@@ -7,6 +7,8 @@ new decision.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -58,25 +60,61 @@ def test_greedy_tokens_are_the_ones_generate_picks():
     gen = Generation.greedy(model, (prompt,), {}, decode=5)
     assert gen.decode_calls == 5
     torch.testing.assert_close(gen.tokens, _greedy(model, prompt, 5)[:, PROMPT:], rtol=0, atol=0)
-    outputs = gen.run(model, (prompt,), {})
-    assert [tuple(o.shape) for o in outputs] == [(1, PROMPT, VOCAB)] + [(1, 1, VOCAB)] * 5
+    outputs = gen.run(model)
+    # generate() asks for the last position's logits only (logits_to_keep): so does the replay
+    assert [tuple(o.shape) for o in outputs] == [(1, 1, VOCAB)] * 6
 
 
-def test_the_decode_calls_are_teacher_forced_with_the_mask_carried_on():
+def test_the_calls_are_generates_own_replayed_teacher_forced_from_an_empty_cache():
     torch.manual_seed(0)
     model = _llama().eval()
     ids = _prompt(batch=2)
     mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding: generate() passes the mask on, and positions from it
+    made = []
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def spy(*args, **kwargs):
+        made.append({k: v for k, v in kwargs.items()})
+        return forward(*args, **kwargs)
+    model.forward = spy
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    del model.forward
+    gen = Generation.greedy(model, (), {"input_ids": ids, "attention_mask": mask}, decode=3)
     seen = []
 
-    def spy(*args, **kwargs):
+    def replayed(**kwargs):
         seen.append(kwargs)
-        return model(*args, **kwargs)
-    gen = Generation.greedy(model, (), {"input_ids": ids, "attention_mask": mask}, decode=3)
-    gen.run(spy, (), {"input_ids": ids, "attention_mask": mask})
-    assert [k["attention_mask"].shape[1] for k in seen] == [PROMPT, PROMPT + 1, PROMPT + 2, PROMPT + 3]
-    for i, k in enumerate(seen[1:]):
-        torch.testing.assert_close(k["input_ids"], gen.tokens[:, i:i + 1], rtol=0, atol=0)
+        return model(**kwargs)
+    for _ in range(2):  # every step starts from an empty cache: the same calls, the same logits
+        seen.clear()
+        logits = gen.run(replayed)
+        assert [set(k) for k in seen] == [set(k) for k in made]  # the keywords generate passes
+        assert "logits_to_keep" in seen[0]  # read from forward's signature, as generate() does
+        assert [k["attention_mask"].shape[1] for k in seen] == [PROMPT, PROMPT + 1, PROMPT + 2, PROMPT + 3]
+        for i, k in enumerate(seen[1:]):
+            torch.testing.assert_close(k["input_ids"], gen.tokens[:, i:i + 1], rtol=0, atol=0)
+        cache = seen[0][gen.cache_arg]
+        assert cache is not gen.empty_cache and cache.get_seq_length() == PROMPT + 3
+        assert gen.empty_cache.get_seq_length() == 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits[:, -1:]
+    torch.testing.assert_close(logits[0], want)
+
+
+def test_the_warm_up_shows_a_prompt_one_token_shorter_and_two_decode_calls():
+    torch.manual_seed(0)
+    model = _llama().eval()
+    gen = Generation.greedy(model, (_prompt(),), {}, decode=4)
+    seen = []
+
+    def spy(**kwargs):
+        seen.append(kwargs["input_ids"].shape[1])
+        return model(**kwargs)
+    gen.warm_up(spy)
+    assert seen == [PROMPT - 1, 1, 1]
 
 
 @pytest.mark.parametrize("inputs, problem", [
@@ -155,7 +193,7 @@ def test_generate_false_decides_on_one_call_and_true_insists():
     fast = _opt(model, (_prompt(),), generate=False)
     assert fast.report.workload == "" and "decode_calls" not in fast.report.plan["fingerprint"]
     fast.restore()
-    with pytest.raises(ValueError, match="generate=True.*token ids"):
+    with pytest.raises(ValueError, match=r"generate=True\): ReluMLP has no generate\(\)"):
         _opt(ReluMLP().eval(), (torch.randn(2, 16),), generate=True)
 
 
@@ -186,3 +224,50 @@ def test_measuring_the_generation_leaves_the_model_and_rng_untouched():
         torch.testing.assert_close(v, state[k], rtol=0, atol=0)
     assert not model.training
     fast.restore()
+
+
+class CountingBackend:
+    """A torch.compile backend that runs each graph as it is and counts compiles and runs."""
+
+    __name__ = "counting"
+
+    def __init__(self):
+        self.compiles = self.runs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+
+        def run(*args):
+            self.runs += 1
+            return gm(*args)
+        return run
+
+
+def test_a_kept_compile_of_the_original_model_serves_generate_and_new_lengths_without_compiling():
+    """Nothing rewritten kept (every pass slower), the compiled model faster: the model's own
+    forward, compiled whole (the installed blocks lifted), is what fast.generate() calls, and
+    the graphs decided on are dynamic in the lengths (no compile at a new prompt length)."""
+    torch.manual_seed(0)
+    model = _llama().eval()
+    prompt = _prompt()
+    want = _greedy(model, prompt, 6)
+    backend = CountingBackend()
+    slower = {name: 1.2 for name in rewriter.registered_passes()}
+    fast = rewriter.optimize(model, (prompt,), clock=ControlledClock({**slower, "compile": 0.5}), gate=QUICK,
+                             progress=False, profile=False, knowledge_base=False, compile=backend)
+    row = next(d for d in fast.report.decisions if d.pass_name == "compile")
+    assert row.kept and fast.report.final["compiled"] == "counting", row.reason
+    assert not fast.report.kept_passes[:-1] and "forward" not in model.__dict__
+    compiles = backend.compiles
+    backend.runs = 0
+    got = _greedy(fast, prompt, 6)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert backend.runs >= 6 and backend.compiles == compiles  # generate's calls were decided on
+    other = _prompt(length=PROMPT + 5, seed=4)
+    torch.testing.assert_close(_greedy(fast, other, 4), _greedy(model, other, 4), rtol=0, atol=0)
+    assert backend.compiles == compiles
+    assert "forward" not in model.__dict__  # the compiled forward is in place only during a call
+    # the model itself, called directly, is its own code: only fast's generate is compiled
+    backend.runs = 0
+    _greedy(model, prompt, 2)
+    assert backend.runs == 0

@@ -108,7 +108,7 @@ class CaptureStage:
                 # one at the next length: the warm-up leaves the static ones behind, so the
                 # counted run weighs the graphs every later step runs.
                 with switched(cap.switch, deterministic=True), torch.no_grad():
-                    self.job.generation.warm_up(cap, self.job.args, self.job.kwargs)
+                    self.job.generation.warm_up(cap)
             with switched(cap.switch, deterministic=True), counting:
                 got = self.job.numerics(cap, deterministic=contextlib.nullcontext())
         except Exception as e:

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from rewriter import plan as plans
 from rewriter.capture.front_ends import DynamoCapture, FxCapture
+from rewriter.capture.regional import RegionalCapture
 from rewriter.capture.ir import structure_signature
 from rewriter.decide.amortize import DEFAULT_STEPS, MAX_SAVING, Payback, predict_compile_seconds
 from rewriter.decide.gate import Step, decide, known_verdict, measure
@@ -229,10 +230,14 @@ class CompileGate:
         time the user pays at the first step)."""
         r = self.run
         t0 = time.perf_counter()
+        if not r.kept and isinstance(r.cap, RegionalCapture):
+            # nothing kept: the original model is compiled, whole; the installed blocks (opaque
+            # to a trace) and the untraced forwards around them are lifted first
+            r.cap.remove()
         try:
             with r._phase("compile"):
                 runner = compiled_runner(r.job.model, r.cap if r.kept else None, ex.resolve(),
-                                         r._on_new_graph)
+                                         r._on_new_graph, generation=r.job.generation is not None)
                 self._step(runner).run()
         except Exception as e:  # the backend raised: the eager graphs run
             return None, time.perf_counter() - t0, f"{ex.name} raised while compiling: {type(e).__name__}: {e}"

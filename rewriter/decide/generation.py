@@ -3,20 +3,24 @@
 A causal language model serves ``generate()``: one prefill of the prompt, then one decode call
 per new token, each a single token against a growing cache. Timing the prefill alone decides
 for a call that runs once per generation, and misses the one that runs per token. So for such a
-model optimize()'s inference step is a prefill of the example prompt followed by ``decode``
-decode calls, and the gate, the verification and the capture see both signatures::
+model optimize()'s inference step is the prefill of the example prompt and ``decode`` decode
+calls, and the gate, the verification and the capture see both signatures::
 
-    gen = Generation.greedy(model, args, kwargs, decode=8)   # the original model's own tokens
-    outputs = gen.run(model, args, kwargs)                   # logits of the 1 + 8 calls
+    gen = Generation.greedy(model, args, kwargs, decode=8)   # generate()'s own calls, recorded
+    outputs = gen.run(model)                                 # logits of the 1 + 8 calls
 
-The decode calls are teacher-forced: the tokens fed are the ones the original model chose
-greedily, fixed once, so the original and a rewritten model run the very same calls and their
-logits compare call by call (a near-tie in one argmax cannot send two runs down different
-sequences). A fresh cache is built by the prefill of every step, so each step is the same work.
+The calls are recorded from the model's own greedy ``generate()``, argument for argument (the
+keywords generate passes, its cache class, its masks and positions), so what is measured,
+verified and compiled is called exactly as generate() will call it later. They are replayed
+teacher-forced: each decode call feeds the token the original model picked, fixed once, so
+the original and a rewritten model run the very same calls and their logits compare call by
+call (a near-tie in one argmax cannot send two runs down different sequences). Every step
+starts from an empty cache of generate's own kind, so each step is the same work.
 """
 from __future__ import annotations
 
-import inspect
+import copy
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,9 +30,9 @@ import torch.nn as nn
 # Decode calls per step when optimize(generate=...) does not say: enough that the decode graph
 # (a signature of its own, dynamic in the cache length from its second call) dominates the step.
 DEFAULT_DECODE_CALLS = 8
-# Prefill arguments the decode calls can carry on (extended by the new tokens); any other
-# argument has no decode form known here.
+# Example inputs a generate() call takes on: the prompt and its mask.
 _CARRIED = frozenset({"input_ids", "attention_mask", "use_cache"})
+_CACHE_ARGS = ("cache", "past_key_values")  # what forward calls the KV cache (transformers 5; 4)
 
 
 class GenerationUnavailable(ValueError):
@@ -37,73 +41,106 @@ class GenerationUnavailable(ValueError):
 
 @dataclass(frozen=True)
 class Generation:
-    """A prefill of the example prompt and ``len(tokens[0])`` teacher-forced decode calls."""
+    """The prefill and decode calls the model's greedy ``generate()`` made, to replay."""
 
-    tokens: torch.Tensor  # (batch, decode calls): the token each decode call feeds
-    cache_arg: str = "past_key_values"  # what the model's forward calls its cache ("cache" in newer transformers)
+    calls: tuple[dict, ...]  # keyword arguments of each call, the cache left out
+    cache_arg: str | None  # the keyword the cache goes in (None: the model builds its own)
+    empty_cache: Any  # the cache generate() handed the prefill, before it was written (or None)
 
     @property
     def decode_calls(self) -> int:
-        return int(self.tokens.shape[1])
+        return len(self.calls) - 1
 
-    def describe(self, args: tuple, kwargs: dict) -> str:
-        ids = _prompt(args, kwargs)
+    @property
+    def tokens(self) -> torch.Tensor:
+        """(batch, decode calls): the token each decode call feeds."""
+        return torch.cat([c["input_ids"] for c in self.calls[1:]], dim=1)
+
+    def describe(self) -> str:
+        ids = self.calls[0]["input_ids"]
         return (f"generate: a prefill of {ids.shape[0]}x{ids.shape[1]} tokens and "
-                f"{self.decode_calls} decode calls with the KV cache (the original model's greedy "
-                "tokens, fed to every variant)")
+                f"{self.decode_calls} decode calls with the KV cache, as generate() calls the "
+                "model (the original model's greedy tokens, fed to every variant)")
 
-    def run(self, run: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
+    def run(self, run: Callable[..., Any]) -> tuple:
         """The prefill and the decode calls through ``run`` (the model, or what stands in for
         it); their logits, in order."""
-        return self._calls(run, args, kwargs, self.decode_calls)
+        return self._replay(run, self.calls)
 
-    def warm_up(self, run: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    def warm_up(self, run: Callable[..., Any]) -> None:
         """Calls that show Dynamo each shape class before the run that counts: a prompt one
         token shorter, so the prefill graph it hands over at the real prompt is dynamic in the
         length (a new prompt length is then served as it is), and two decode calls, so the
         decode graph is dynamic in the cache length from then on. The graphs these calls leave
         behind (static in a length) are superseded: the counted run never reaches them."""
-        ids = _prompt(args, kwargs)
-        if ids.shape[1] >= 2:
-            shorter = {k: (v[:, :-1] if k in ("input_ids", "attention_mask") else v) for k, v in kwargs.items()}
-            self._calls(run, (ids[:, :-1],) if args else (), shorter, min(2, self.decode_calls))
-        else:
-            self._calls(run, args, kwargs, min(2, self.decode_calls))
+        length = self.calls[0]["input_ids"].shape[1]
+        if length >= 2:
+            try:
+                self._replay(run, [_one_token_shorter(c, i == 0, length) for i, c in enumerate(self.calls[:3])])
+                return
+            except Exception:  # a model that insists on its prompt's length: no dynamic prefill
+                pass
+        self._replay(run, self.calls[:3])
 
-    def _calls(self, run: Callable[..., Any], args: tuple, kwargs: dict, decode: int) -> tuple:
-        out = run(*args, **kwargs)
-        outputs = [_logits(out)]
-        mask = kwargs.get("attention_mask")
-        for i in range(decode):
-            mask = _longer(mask)
-            out = run(**_decode_kwargs(self.cache_arg, self.tokens[:, i:i + 1], out, mask))
+    def _replay(self, run: Callable[..., Any], calls: Any) -> tuple:
+        cache = copy.deepcopy(self.empty_cache)
+        outputs = []
+        for call in calls:
+            kwargs = dict(call)
+            if self.cache_arg is not None:
+                kwargs[self.cache_arg] = cache
+            out = run(**kwargs)
             outputs.append(_logits(out))
+            cache = _cache_of(out)
         return tuple(outputs)
 
     @classmethod
     def greedy(cls, model: nn.Module, args: tuple, kwargs: dict, decode: int) -> "Generation":
-        """The tokens the model itself picks greedily after the prompt (run without gradients;
-        the caller preserves the RNG). Raises GenerationUnavailable when there is no decode call
-        to build: no prompt of token ids, an argument with no decode form, no cache returned,
-        no position left for a new token."""
+        """Record the calls of the model's greedy ``generate()`` of ``decode`` new tokens after
+        the example prompt (without gradients; the caller preserves the RNG). Raises
+        GenerationUnavailable when there is no decode call to record: no generate(), no prompt
+        of token ids, an argument generate() does not take on, no position left for a new
+        token, no cache returned."""
+        if not callable(getattr(model, "generate", None)):
+            raise GenerationUnavailable(f"{type(model).__name__} has no generate()")
         ids = _check_prompt(args, kwargs)
         room = _positions(model) - ids.shape[1]
         if room < 1:
             raise GenerationUnavailable(f"the prompt ({ids.shape[1]} tokens) fills the model's "
                                         "positions: no room for a decode call")
         decode = min(decode, room)
-        name = _cache_arg(model)
-        mask = kwargs.get("attention_mask")
-        tokens: list[torch.Tensor] = []
-        with torch.no_grad():
-            out = model(*args, **kwargs)
-            for _ in range(decode):
-                nxt = _logits(out)[:, -1, :].argmax(dim=-1, keepdim=True)
-                tokens.append(nxt)
-                if len(tokens) < decode:
-                    mask = _longer(mask)
-                    out = model(**_decode_kwargs(name, nxt, out, mask))
-        return cls(torch.cat(tokens, dim=1), name)
+        calls: list[dict] = []
+        empty: list[Any] = []
+        forward = model.forward
+
+        # generate() reads forward's signature to choose what to pass (logits_to_keep, ...):
+        # the recorder shows it the real one
+        @functools.wraps(forward)
+        def recording(*a: Any, **kw: Any) -> Any:
+            if a:
+                raise GenerationUnavailable("generate() passed the model positional arguments")
+            name = next((n for n in _CACHE_ARGS if n in kw), None)
+            if not calls:
+                empty.append((name, copy.deepcopy(kw.get(name)) if name else None))
+            calls.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                          for k, v in kw.items() if k != name})
+            return forward(**kw)
+        given = {k: v for k, v in kwargs.items() if k != "input_ids"}
+        had = "forward" in model.__dict__
+        model.__dict__["forward"] = recording
+        try:
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=decode + 1, min_new_tokens=decode + 1,
+                               do_sample=False, **given)
+        finally:
+            if had:
+                model.__dict__["forward"] = forward
+            else:
+                model.__dict__.pop("forward", None)
+        if len(calls) < 2:
+            raise GenerationUnavailable("generate() made no decode call")
+        (name, cache), = empty
+        return cls(tuple(calls[:decode + 1]), name, cache)
 
 
 def can_generate(model: nn.Module) -> bool:
@@ -127,9 +164,9 @@ def _check_prompt(args: tuple, kwargs: dict) -> torch.Tensor:
         raise GenerationUnavailable("the example inputs have no (batch, length) tensor of token ids")
     other = sorted(set(kwargs) - _CARRIED)
     if other:
-        raise GenerationUnavailable(f"the example inputs pass {', '.join(other)}, which a decode "
-                                    "call has no form for here (input_ids, attention_mask and "
-                                    "use_cache are carried on)")
+        raise GenerationUnavailable(f"the example inputs pass {', '.join(other)}, which "
+                                    "generate() is not given here (input_ids, attention_mask and "
+                                    "use_cache are)")
     if kwargs.get("use_cache") is False:
         raise GenerationUnavailable("the example inputs pass use_cache=False")
     return ids
@@ -144,28 +181,21 @@ def _positions(model: nn.Module) -> int:
     return 2**31
 
 
-def _cache_arg(model: nn.Module) -> str:
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _longer(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The attention mask with one more attended position (the new token's)."""
-    return None if mask is None else torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-
-
-def _decode_kwargs(cache_arg: str, token: torch.Tensor, out: Any, mask: torch.Tensor | None) -> dict:
-    step = {"input_ids": token, cache_arg: _cache_of(out), "use_cache": True}
-    if mask is not None:
-        step["attention_mask"] = mask
-    return step
+def _one_token_shorter(call: dict, prefill: bool, length: int) -> dict:
+    """A call as it would be with a prompt one token shorter: in the prefill every tensor as
+    long as the prompt in its last dimension (ids, mask, positions) loses its last position;
+    later, the attention mask does."""
+    def shorter(k: str, v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            return v
+        if (prefill and v.shape[-1] == length) or k == "attention_mask":
+            return v[..., :-1]
+        return v
+    return {k: shorter(k, v) for k, v in call.items()}
 
 
 def _cache_of(out: Any) -> Any:
-    for name in ("cache", "past_key_values"):
+    for name in _CACHE_ARGS:
         cache = out.get(name) if isinstance(out, dict) else getattr(out, name, None)
         if cache is not None:
             return cache

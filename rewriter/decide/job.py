@@ -98,7 +98,7 @@ class Job:
         """The model's part of one step, with ``run`` standing in for the model: one call on
         the example inputs, or, for a generation workload, its prefill and decode calls."""
         if self.generation is not None:
-            return self.generation.run(run, self.args, self.kwargs)
+            return self.generation.run(run)
         return run(*self.args, **self.kwargs)
 
     def step(self, run: Callable[..., Any], optimizer: Any = None) -> Callable[[], None]:

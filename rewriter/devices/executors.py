@@ -26,12 +26,13 @@ a fake compiler this way).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -214,13 +215,16 @@ class CompiledFx:
 
 
 def compiled_runner(model: nn.Module, cap: Capture | None, backend: CompilerBackend,
-                    on_new_graph: Callable[[GraphSlot], None]) -> Callable[..., Any]:
+                    on_new_graph: Callable[[GraphSlot], None], generation: bool = False) -> Callable[..., Any]:
     """``model`` as it runs after optimize() (``cap``; None: the original model), compiled.
 
     A Dynamo capture is captured again with the backend after our own: each graph Dynamo hands
     over gets the kept rewrites (``on_new_graph``), then goes to the compiler. An fx capture's
-    graph is compiled as it is."""
+    graph is compiled as it is. ``generation``: the original model serves generate(), so its
+    forward is compiled in place of the instance's own (:class:`CompiledForward`)."""
     if cap is None:
+        if generation:
+            return CompiledForward(model, backend)
         return inspect.unwrap(torch.compile)(model, backend=backend)
     if isinstance(cap, RegionalCapture):
         return RegionalCompiled(cap, backend)
@@ -231,6 +235,44 @@ def compiled_runner(model: nn.Module, cap: Capture | None, backend: CompilerBack
     if isinstance(cap, FxCapture):
         return CompiledFx(cap, backend)
     raise TypeError(f"cannot compile a {type(cap).__name__}")
+
+
+class CompiledForward:
+    """The model's own forward compiled, dynamic in every length (the prompt's, the cache's),
+    and put in place of the instance's forward for the length of a call: the transformers
+    recipe's form (``model.forward = torch.compile(model.forward)``), held by us, not left on
+    the user's model. ``generate()``, which calls the model token by token, reaches it inside
+    :meth:`in_place`; the model's own ``__call__`` (its hooks) runs around it::
+
+        runner = CompiledForward(model, backend)
+        runner(input_ids)                       # one call, compiled
+        with runner.in_place():
+            model.generate(prompt, max_new_tokens=32)
+
+    ``dynamic=True``: one graph for the prefill and one for a decode call, whatever the lengths
+    (Dynamo specializes sizes 0 and 1 only), so a new prompt length does not compile again.
+    """
+
+    def __init__(self, model: nn.Module, backend: CompilerBackend) -> None:
+        self.model = model
+        self.fn = inspect.unwrap(torch.compile)(model.forward, backend=backend, dynamic=True)
+
+    @contextlib.contextmanager
+    def in_place(self) -> Iterator[None]:
+        d = self.model.__dict__
+        had, old = "forward" in d, d.get("forward")
+        d["forward"] = self.fn
+        try:
+            yield
+        finally:
+            if had:
+                d["forward"] = old
+            else:
+                d.pop("forward", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.in_place():
+            return self.model(*args, **kwargs)
 
 
 class RegionalCompiled:
