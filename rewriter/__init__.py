@@ -4,9 +4,8 @@
     fast = rewriter.optimize(model, example_inputs=(x,))
     print(fast.report)
 """
-from rewriter.api import optimize
+from rewriter.api import optimize, restore
 from rewriter.capture.graph_export import load_exported
-from rewriter.capture.install import restore
 from rewriter.decide.gate import GateSettings
 from rewriter.devices import amp
 from rewriter.devices.backends import Backend, get_backend

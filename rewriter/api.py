@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from rewriter.capture.install import restore
+from rewriter.capture import install
 from rewriter.decide.amortize import check_steps
 from rewriter.decide.gate import Clock, GateSettings
 from rewriter.decide.generation import check_generate, generation_for
@@ -148,13 +148,14 @@ def optimize(
             run (at least 8 s). With a generation workload, a step is one prefill and its
             decode calls.
         generate: inference of a model that generates with a KV cache (rewriter.decide.generation):
-            the measured step is a prefill of ``example_inputs`` (the prompt: ``input_ids``,
-            optionally ``attention_mask``) followed by decode calls, one new token each against
-            the cache, fed the original model's own greedy tokens; the prefill and the decode
-            signatures are decided together, and ``fast.generate(...)`` runs them. "auto"
-            (default): for a model that says it can generate (transformers' ``can_generate()``)
-            and returns a cache, 8 decode calls, else one call; True: the same, an error when
-            the model has no decode call; an int: that many decode calls; False: one call.
+            the measured step is the calls the model's own greedy ``generate()`` makes for the
+            prompt in ``example_inputs`` (``input_ids``, optionally ``attention_mask``): the
+            prefill and decode calls, one new token each against the cache, recorded once and
+            replayed with the original model's tokens; the prefill and the decode signatures
+            are decided together, and ``fast.generate(...)`` runs them (or, when kept, the
+            compiled forward). "auto" (default): for a model that says it can generate
+            (transformers' ``can_generate()``), 8 decode calls, else one call; True: the same,
+            an error when the model has no decode call; an int: that many; False: one call.
 
     Returns:
         The optimized model, or ``(model, optimizer)`` when an optimizer is given.
@@ -213,7 +214,7 @@ def optimize(
         _check_input_devices(model, args, kwargs)
         # an earlier optimize() of this model installed block forwards: measure against the
         # model's own code (this run installs its own)
-        restore(model)
+        install.restore(model)
         training = optimizer is not None or loss_fn is not None or model.training
         if training and not any(p.requires_grad for p in model.parameters()):
             training = False  # nothing to train: the step is the forward pass
@@ -239,6 +240,20 @@ def optimize(
     if optimizer is not None:
         return result, result._outcome.optimizer
     return result
+
+
+def restore(model: nn.Module) -> int:
+    """Take what optimize() installed off ``model`` (the optimized model, or the model given
+    to it): the block classes' forwards are exactly what they were, and an optimized model runs
+    the original model from now on, not a compiled form of it either. Returns how many block
+    installations were removed::
+
+        fast = rewriter.optimize(model, example_inputs=(x,))
+        rewriter.restore(fast)        # or fast.restore(); rewriter.restore(model) likewise
+    """
+    if isinstance(model, OptimizedModel):
+        return model.restore()
+    return install.restore(model)
 
 
 def _run_on_every_rank(job: Job, passes: list[Pass], settings: Settings) -> Outcome:

@@ -75,6 +75,7 @@ class OptimizedModel(nn.Module):
         if outcome is not None and not outcome.use_original:
             outcome.fall_back_to_original("rewriter.restore(): the installed blocks were taken "
                                           "off; the original model runs")
+        self.__dict__["_compiled"] = None  # nor a compiled form of it
         return _restore(self.__dict__["_model"])
 
     def graph_code(self) -> dict[str, str]:

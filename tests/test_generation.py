@@ -271,3 +271,6 @@ def test_a_kept_compile_of_the_original_model_serves_generate_and_new_lengths_wi
     backend.runs = 0
     _greedy(model, prompt, 2)
     assert backend.runs == 0
+    fast.restore()  # from now on the original model runs, not compiled either
+    _greedy(fast, prompt, 2)
+    assert backend.runs == 0

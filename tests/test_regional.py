@@ -383,3 +383,23 @@ def _plain(model, x):
         for b in model.blocks:
             x = x + torch.relu(b.fc(x))
         return model.head(x)
+
+
+@pytest.mark.parametrize("front_end, speedup, noise, slower", [
+    ("regional", 0.95, 0.03, True),    # 0.95 + 2 x 0.03 = 1.01 < 1.053 the regions predict
+    ("regional", 0.95, 0.06, False),   # the upper bound (1.07) reaches the prediction
+    ("regional", 0.99, 0.03, False),   # above the regression floor: not slower at all
+    ("dynamo", 0.95, 0.03, False),     # no installed dispatch: the noise spans 1.0, regions stand
+    ("regional", 0.90, 0.02, True),    # clear of the noise: slower by the usual rule too
+])
+def test_a_regional_step_check_that_falls_short_of_the_regions_prediction_is_slower(
+        front_end, speedup, noise, slower):
+    from types import SimpleNamespace
+
+    from rewriter.decide.confirm import KeptUnit, _slower
+    from rewriter.decide.gate import GateSettings
+    units = [KeptUnit("fuse_attention", "sig", 1.5, 0.01, 1.5, 3), KeptUnit("fuse_rms_norm", "s2", 1.2, 0.01, 0.5, 7)]
+    run = SimpleNamespace(cap=SimpleNamespace(front_end=front_end), units=units,
+                          settings=SimpleNamespace(gate=GateSettings(), objective="time"))
+    m = SimpleNamespace(pairs=12, busy=False, speedup=speedup, noise=noise, baseline_ms=40.0)
+    assert _slower(m, run) is slower  # predicted: 2 ms of a 40 ms step, 1.053x
