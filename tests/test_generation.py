@@ -274,3 +274,14 @@ def test_a_kept_compile_of_the_original_model_serves_generate_and_new_lengths_wi
     fast.restore()  # from now on the original model runs, not compiled either
     _greedy(fast, prompt, 2)
     assert backend.runs == 0
+
+
+def test_the_recording_is_greedy_with_one_beam_whatever_the_generation_config_says():
+    torch.manual_seed(0)
+    model = _llama().eval()
+    prompt = _prompt()
+    want = _greedy(model, prompt, 3)
+    model.generation_config.num_beams, model.generation_config.do_sample = 3, True
+    gen = Generation.greedy(model, (prompt,), {}, decode=3)
+    assert gen.calls[0]["input_ids"].shape[0] == 1  # one beam: the batch is the prompt's
+    torch.testing.assert_close(gen.tokens, want[:, PROMPT:], rtol=0, atol=0)

@@ -130,8 +130,9 @@ class Generation:
         model.__dict__["forward"] = recording
         try:
             with torch.no_grad():
+                # greedy, one beam, whatever the model's generation_config says
                 model.generate(ids, max_new_tokens=decode + 1, min_new_tokens=decode + 1,
-                               do_sample=False, **given)
+                               do_sample=False, num_beams=1, **given)
         finally:
             if had:
                 model.__dict__["forward"] = forward
