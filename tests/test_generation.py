@@ -285,3 +285,11 @@ def test_the_recording_is_greedy_with_one_beam_whatever_the_generation_config_sa
     gen = Generation.greedy(model, (prompt,), {}, decode=3)
     assert gen.calls[0]["input_ids"].shape[0] == 1  # one beam: the batch is the prompt's
     torch.testing.assert_close(gen.tokens, want[:, PROMPT:], rtol=0, atol=0)
+
+
+def test_an_encoder_decoder_model_is_decided_on_one_call():
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                num_decoder_layers=1, num_heads=4, decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    with pytest.raises(GenerationUnavailable, match="encoder-decoder"):
+        Generation.greedy(model, (_prompt(),), {}, decode=2)

@@ -103,6 +103,10 @@ class Generation:
         token, no cache returned."""
         if not callable(getattr(model, "generate", None)):
             raise GenerationUnavailable(f"{type(model).__name__} has no generate()")
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            # generate() runs the encoder once outside forward: a replay of forward's calls
+            # would never run the encoder's rewrites
+            raise GenerationUnavailable("an encoder-decoder model's generate() is not recorded here")
         ids = _check_prompt(args, kwargs)
         room = _positions(model) - ids.shape[1]
         if room < 1:
