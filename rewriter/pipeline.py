@@ -40,7 +40,7 @@ from rewriter.decide import memory
 from rewriter.decide.amortize import MIN_BUDGET, deciding_budget
 from rewriter.decide.compile_gate import CompileGate
 from rewriter.decide.confirm import Confirmation, KeptUnit, usual_pairs
-from rewriter.decide.gate import Clock, GateSettings, Step, device_clock
+from rewriter.decide.gate import Clock, GateSettings, Step, device_clock, figure, measure
 from rewriter.decide.job import Job, switched
 from rewriter.decide.kept import KeptPass, apply_kept, build, overlay_for
 from rewriter.decide.knowledge import KnowledgeBase
@@ -58,6 +58,8 @@ from rewriter.profiling import ProfileSettings, compare, profile_run
 from rewriter.report import Decision, Report
 
 log = logging.getLogger("rewriter.progress")
+# The name the step of the unrewritten installed graphs carries (a controlled clock costs it)
+INSTALLED = "(installed graphs)"
 
 DEFAULT_TIME_BUDGET = 60.0
 
@@ -130,6 +132,7 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
         self.may_drop_outputs = settings.objective == "memory" and any(
             p.drops_outputs for p in passes)
         self.kept: list[KeptPass] = []
+        self.dispatch_ms = 0.0  # what the installed blocks cost a step before any rewrite
         self.units: list[KeptUnit] = []  # each kept decision, for the confirmation's ablation
         self.fused_opt: optimizers.OptimizerCandidate | None = None
         self.cap: Capture | None = None
@@ -184,6 +187,8 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
             except CaptureError as e:
                 return self._capture_failed(e)
             snapshot.restore()
+            if job.generation is not None and isinstance(self.cap, RegionalCapture):
+                self._measure_dispatch()
             if isinstance(self.cap, DynamoCapture):
                 self.cap.on_new_graph = self._on_new_graph
             fingerprint = self._fingerprint()
@@ -405,6 +410,26 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
 
     def original_step(self) -> Step:
         return Step(self.job.step(self.job.model), (), "original")
+
+    def _measure_dispatch(self) -> None:
+        """Generation through a regional capture: what the blocks cost run through their
+        installed graphs before any rewrite, timed once against the original step. It is a cost
+        per block call that no region measures (a one-token decode call is short), so the step
+        check weighs the kept regions' saving net of it (rewriter.decide.confirm)."""
+        captured = self.job.step(self.cap)
+
+        def run() -> None:
+            with switched(self.cap.switch, use_candidate=False):
+                captured()
+        with self._phase("measure"):
+            m = measure(self.original_step(), Step(run, (INSTALLED,), "captured"), clock=self.clock,
+                        settings=self.settings.gate)
+        self.snapshot.restore()
+        if m.pairs and not m.busy and m.speedup + self.settings.gate.noise_widths * m.noise < 1.0:
+            self.dispatch_ms = m.candidate_ms - m.baseline_ms
+            self.report.notes.append(f"the blocks run through their installed graphs cost "
+                                     f"{self.dispatch_ms:.2f} ms a step before any rewrite "
+                                     f"({figure(m)}): the kept regions must save more")
 
     def _confirm(self) -> bool:
         """Verify the composed model once, then time it once against the original.

@@ -293,3 +293,24 @@ def test_an_encoder_decoder_model_is_decided_on_one_call():
     model = transformers.T5ForConditionalGeneration(cfg).eval()
     with pytest.raises(GenerationUnavailable, match="encoder-decoder"):
         Generation.greedy(model, (_prompt(),), {}, decode=2)
+
+
+@pytest.mark.parametrize("installed_cost, kept", [(15.0, False), (1.0, True)])  # 140 ms vs 90 ms saved
+def test_regions_that_cannot_pay_for_the_installed_graphs_are_reverted(installed_cost, kept):
+    """The composed step level with the original (the step check cannot resolve it): the kept
+    regions stand on their own measurements, unless the installed graphs, timed once before any
+    rewrite, cost more a step than the regions predict they save."""
+    from rewriter.pipeline import INSTALLED
+    torch.manual_seed(0)
+    model = _llama().eval()
+    clock = ControlledClock({"fuse_rms_norm": 0.8, INSTALLED: installed_cost},
+                            step_costs={"fuse_rms_norm": 1.0}, jitter=0.002)
+    fast = _opt(model, (_prompt(),), clock=clock, passes=["fuse_rms_norm"])
+    r = fast.report
+    assert ("fuse_rms_norm" in r.kept_passes) is kept, r.final["reason"]
+    if kept:
+        assert "cannot resolve" in r.final["reason"]
+    else:
+        assert "less than the" in r.final["reason"] and "installed graphs cost" in r.final["reason"]
+        assert any("before any rewrite" in n for n in r.notes)
+    fast.restore()

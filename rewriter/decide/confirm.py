@@ -95,6 +95,16 @@ def _confirm(self: Confirmation) -> bool:
                      f"decision was reverted ({', '.join(self.reverted)})")
         r.report.final = final
         return False
+    dispatch = getattr(r, "dispatch_ms", 0.0)
+    if dispatch > 0 and not slower and m.speedup - widths * m.noise <= 1.0 and predicted <= dispatch:
+        # not confirmed faster, and the regions' own evidence cannot pay for the installed graphs
+        for unit in list(r.units):
+            _revert(self, unit)
+        final.update(kept=False, reason=f"the kept regions save {predicted:.2f} ms a step, less than "
+                     f"the {dispatch:.2f} ms the blocks' installed graphs cost ({figure(m)}); every "
+                     f"kept decision was reverted ({', '.join(self.reverted)})")
+        r.report.final = final
+        return False
     if m.busy or m.out_of_time:
         why = "the machine was busy" if m.busy else "the time budget ran out"
         reason = (f"inconclusive on the whole step: {why}; the kept decisions stand on their own "
@@ -178,11 +188,20 @@ def _short_of_prediction(m: Measurement, r: RunView) -> bool:
     predict: the regions' saving is then not what the step shows, and the step is below 1."""
     if getattr(r.cap, "front_end", "") != "regional" or not m.baseline_ms:
         return False
-    predicted = sum(u.saved_ms for u in r.units if u.saved_ms and math.isfinite(u.saved_ms))
-    if not 0 < predicted < m.baseline_ms:
+    predicted = _net_prediction(r)
+    if predicted >= m.baseline_ms:
         return False
+    if predicted <= 0:  # the installed graphs cost more than the regions save
+        return True
     expected = m.baseline_ms / (m.baseline_ms - predicted)
     return m.speedup + r.settings.gate.noise_widths * m.noise < expected
+
+
+def _net_prediction(r: RunView) -> float:
+    """The kept regions' predicted saving a step, in ms, less what the installed graphs cost
+    (``dispatch_ms``: measured for a regional generation, else 0)."""
+    saved = sum(u.saved_ms for u in r.units if u.saved_ms and math.isfinite(u.saved_ms))
+    return saved - getattr(r, "dispatch_ms", 0.0)
 
 
 def _floor(r: RunView) -> float:

@@ -26,6 +26,7 @@ class RunView(Protocol):
     clock: Any
     deadline: float | None
     step_seconds: float  # one original step, as timed at the reference run
+    dispatch_ms: float  # a regional generation's installed-graph cost a step (0: none measured)
     compiled: dict | None
     compile_plan: dict | None
 
