@@ -34,8 +34,8 @@ from typing import Any, Callable
 
 from rewriter import plan as plans
 from rewriter.capture.front_ends import DynamoCapture, FxCapture
-from rewriter.capture.regional import RegionalCapture
 from rewriter.capture.ir import structure_signature
+from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.amortize import DEFAULT_STEPS, MAX_SAVING, Payback, predict_compile_seconds
 from rewriter.decide.gate import Step, decide, known_verdict, measure
 from rewriter.decide.job import switched
