@@ -17,7 +17,6 @@ from rewriter.decide.generation import check_generate, generation_for
 from rewriter.decide.job import Job, model_device, split_inputs
 from rewriter.decide.knowledge import KnowledgeBase
 from rewriter.decide.memory import check_objective
-from rewriter.decide.state import preserved_state
 from rewriter.devices import distributed
 from rewriter.devices.backends import Backend, get_backend
 from rewriter.pass_api import Pass, PassContext, resolve_passes
@@ -221,8 +220,7 @@ def optimize(
         job = Job(model, args, kwargs, backend, training, optimizer, loss_fn, dtype)
         note = ""
         if not training:
-            with preserved_state(model, None, backend.rng_states()):
-                job.generation, note = generation_for(model, args, kwargs, generate)
+            job.generation, note = generation_for(model, args, kwargs, generate, backend.rng_states())
         with _progress_to_stderr(progress):
             if not distributed.is_multi_rank():
                 outcome = run_pipeline(job, chosen, settings)

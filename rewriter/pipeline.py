@@ -401,12 +401,17 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
     def composed_step(self) -> Step:
         names = tuple(kp.name for kp in self.kept) + (("fuse_optimizer",) if self.fused_opt else ())
         twin = self.fused_opt.twin(self.job.optimizer) if self.fused_opt is not None else None
-        optimized = self.job.step(self.cap if self.kept else self.job.model, optimizer=twin)
+        return self._kept_step(self.cap if self.kept else self.job.model, names, "optimized", twin)
+
+    def _kept_step(self, model: Any, names: tuple[str, ...], label: str, optimizer: Any = None) -> Step:
+        """The user's step with ``model`` standing in for theirs, every graph running what it
+        keeps (no candidate)."""
+        inner = self.job.step(model, optimizer=optimizer)
 
         def run() -> None:
             with switched(self.cap.switch, use_candidate=False):
-                optimized()
-        return Step(run, names, "optimized")
+                inner()
+        return Step(run, names, label)
 
     def original_step(self) -> Step:
         return Step(self.job.step(self.job.model), (), "original")
@@ -416,14 +421,9 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
         installed graphs before any rewrite, timed once against the original step. It is a cost
         per block call that no region measures (a one-token decode call is short), so the step
         check weighs the kept regions' saving net of it (rewriter.decide.confirm)."""
-        captured = self.job.step(self.cap)
-
-        def run() -> None:
-            with switched(self.cap.switch, use_candidate=False):
-                captured()
         with self._phase("measure"):
-            m = measure(self.original_step(), Step(run, (INSTALLED,), "captured"), clock=self.clock,
-                        settings=self.settings.gate)
+            m = measure(self.original_step(), self._kept_step(self.cap, (INSTALLED,), "captured"),
+                        clock=self.clock, settings=self.settings.gate)
         self.snapshot.restore()
         if m.pairs and not m.busy and m.speedup + self.settings.gate.noise_widths * m.noise < 1.0:
             self.dispatch_ms = m.candidate_ms - m.baseline_ms

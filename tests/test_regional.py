@@ -399,7 +399,7 @@ def test_a_regional_step_check_that_falls_short_of_the_regions_prediction_is_slo
     from rewriter.decide.confirm import KeptUnit, _slower
     from rewriter.decide.gate import GateSettings
     units = [KeptUnit("fuse_attention", "sig", 1.5, 0.01, 1.5, 3), KeptUnit("fuse_rms_norm", "s2", 1.2, 0.01, 0.5, 7)]
-    run = SimpleNamespace(cap=SimpleNamespace(front_end=front_end), units=units,
+    run = SimpleNamespace(cap=SimpleNamespace(front_end=front_end), units=units, dispatch_ms=0.0,
                           settings=SimpleNamespace(gate=GateSettings(), objective="time"))
     m = SimpleNamespace(pairs=12, busy=False, speedup=speedup, noise=noise, baseline_ms=40.0)
     assert _slower(m, run) is slower  # predicted: 2 ms of a 40 ms step, 1.053x

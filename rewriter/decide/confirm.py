@@ -95,8 +95,8 @@ def _confirm(self: Confirmation) -> bool:
                      f"decision was reverted ({', '.join(self.reverted)})")
         r.report.final = final
         return False
-    dispatch = getattr(r, "dispatch_ms", 0.0)
-    if dispatch > 0 and not slower and m.speedup - widths * m.noise <= 1.0 and predicted <= dispatch:
+    dispatch = r.dispatch_ms
+    if dispatch > 0 and not slower and m.speedup - widths * m.noise <= 1.0 and _net_prediction(r) <= 0:
         # not confirmed faster, and the regions' own evidence cannot pay for the installed graphs
         for unit in list(r.units):
             _revert(self, unit)
@@ -201,7 +201,7 @@ def _net_prediction(r: RunView) -> float:
     """The kept regions' predicted saving a step, in ms, less what the installed graphs cost
     (``dispatch_ms``: measured for a regional generation, else 0)."""
     saved = sum(u.saved_ms for u in r.units if u.saved_ms and math.isfinite(u.saved_ms))
-    return saved - getattr(r, "dispatch_ms", 0.0)
+    return saved - r.dispatch_ms
 
 
 def _floor(r: RunView) -> float:

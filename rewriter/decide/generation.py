@@ -19,13 +19,16 @@ starts from an empty cache of generate's own kind, so each step is the same work
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
+
+from rewriter.decide.state import preserved_state
 
 # Decode calls per step when optimize(generate=...) does not say: enough that the decode graph
 # (a signature of its own, dynamic in the cache length from its second call) dominates the step.
@@ -130,22 +133,30 @@ class Generation:
                           for k, v in kw.items() if k != name})
             return forward(**kw)
         given = {k: v for k, v in kwargs.items() if k != "input_ids"}
-        had = "forward" in model.__dict__
-        model.__dict__["forward"] = recording
-        try:
-            with torch.no_grad():
-                # greedy, one beam, whatever the model's generation_config says
-                model.generate(ids, max_new_tokens=decode + 1, min_new_tokens=decode + 1,
-                               do_sample=False, num_beams=1, **given)
-        finally:
-            if had:
-                model.__dict__["forward"] = forward
-            else:
-                model.__dict__.pop("forward", None)
+        with forward_in_place(model, recording), torch.no_grad():
+            # greedy, one beam, whatever the model's generation_config says
+            model.generate(ids, max_new_tokens=decode + 1, min_new_tokens=decode + 1,
+                           do_sample=False, num_beams=1, **given)
         if len(calls) < 2:
             raise GenerationUnavailable("generate() made no decode call")
         (name, cache), = empty
         return cls(tuple(calls[:decode + 1]), name, cache)
+
+
+@contextlib.contextmanager
+def forward_in_place(model: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """``forward`` as the instance's forward during the body (what ``model(...)`` and so
+    ``generate()`` call); the instance is as it was afterwards, whatever happened."""
+    d = model.__dict__
+    had, old = "forward" in d, d.get("forward")
+    d["forward"] = forward
+    try:
+        yield
+    finally:
+        if had:
+            d["forward"] = old
+        else:
+            d.pop("forward", None)
 
 
 def can_generate(model: nn.Module) -> bool:
@@ -214,18 +225,19 @@ def _logits(out: Any) -> torch.Tensor:
     return logits
 
 
-def generation_for(model: nn.Module, args: tuple, kwargs: dict, generate: bool | int | str) -> \
-        tuple[Generation | None, str]:
+def generation_for(model: nn.Module, args: tuple, kwargs: dict, generate: bool | int | str,
+                   rng_states: list | None = None) -> tuple[Generation | None, str]:
     """The generation workload optimize(generate=...) asks for, and a note when "auto" found
-    none. ``generate``: "auto" (a model that says it generates and returns a KV cache: the
-    default number of decode calls), True (the same, and an error when there is none), an int
-    (that many decode calls), False (one call). Runs the model without gradients; the caller
-    keeps its state (RNG included)."""
+    none. ``generate``: "auto" (a model that says it generates: the default number of decode
+    calls), True (the same, and an error when there is none), an int (that many decode calls),
+    False (one call). Recording runs the model without gradients, and its state (the RNG
+    included, ``rng_states``: the device's, rewriter.devices.backends) is put back after."""
     if generate is False or (generate == "auto" and not can_generate(model)):
         return None, ""
     calls = DEFAULT_DECODE_CALLS if isinstance(generate, (bool, str)) else generate
     try:
-        return Generation.greedy(model, args, kwargs, calls), ""
+        with preserved_state(model, None, rng_states):
+            return Generation.greedy(model, args, kwargs, calls), ""
     except Exception as e:  # GenerationUnavailable, or a model that fails a decode call
         why = str(e) if isinstance(e, GenerationUnavailable) else f"a decode call raised {type(e).__name__}: {e}"
         if generate == "auto":

@@ -32,7 +32,7 @@ import importlib.util
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from rewriter.capture.front_ends import Capture, DynamoCapture, FxCapture, GraphSlot
 from rewriter.capture.regional import RegionalCapture
+from rewriter.decide.generation import forward_in_place
 from rewriter.decide.job import switched
 from rewriter.decide.verify import dropout_disabled
 from rewriter.devices.npu_capabilities import torch_npu_release
@@ -257,18 +258,8 @@ class CompiledForward:
         self.model = model
         self.fn = inspect.unwrap(torch.compile)(model.forward, backend=backend, dynamic=True)
 
-    @contextlib.contextmanager
-    def in_place(self) -> Iterator[None]:
-        d = self.model.__dict__
-        had, old = "forward" in d, d.get("forward")
-        d["forward"] = self.fn
-        try:
-            yield
-        finally:
-            if had:
-                d["forward"] = old
-            else:
-                d.pop("forward", None)
+    def in_place(self) -> contextlib.AbstractContextManager[None]:
+        return forward_in_place(self.model, self.fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.in_place():
