@@ -112,15 +112,16 @@ def _demo_generate(args: argparse.Namespace) -> int:
     print(f"rewriter demo --generate: {type(model).__name__} ({model.config.num_hidden_layers} "
           f"layers), prompt 1x{prompt.shape[1]}, {new_tokens} new tokens, torch {torch.__version__}, "
           f"cpu threads {torch.get_num_threads()}", file=sys.stderr)
-    with torch.no_grad():
-        want = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    def generate(m: Any, n: int) -> torch.Tensor:  # the serving loop's one call
+        with torch.no_grad():
+            return m.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    want = generate(model, new_tokens)  # the original's tokens, as many as fast will give
     fast = rewriter.optimize(model, example_inputs=(prompt,), clock=_make_clock())
     print(fast.report.to_markdown())
 
-    def serve(n: int) -> tuple[torch.Tensor, float]:  # the serving loop's one call
+    def serve(n: int) -> tuple[torch.Tensor, float]:
         started = time.perf_counter()
-        with torch.no_grad():
-            out = fast.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out = generate(fast, n)
         return out, time.perf_counter() - started
 
     before = {g["graph"]: g["runs"] for g in fast.graph_runs()}
