@@ -19,6 +19,7 @@ from rewriter.decide.knowledge import KnowledgeBase
 from rewriter.decide.memory import check_objective
 from rewriter.devices import distributed
 from rewriter.devices.backends import Backend, get_backend
+from rewriter.devices.gathered import fsdp2_modules, gathered, sharded_optimizer_note
 from rewriter.pass_api import Pass, PassContext, resolve_passes
 from rewriter.pipeline import DEFAULT_TIME_BUDGET, Outcome, Settings, run_pipeline
 from rewriter.report import Report
@@ -217,17 +218,25 @@ def optimize(
         training = optimizer is not None or loss_fn is not None or model.training
         if training and not any(p.requires_grad for p in model.parameters()):
             training = False  # nothing to train: the step is the forward pass
-        job = Job(model, args, kwargs, backend, training, optimizer, loss_fn, dtype)
+        # Sharded by FSDP2: decided on the gathered parameters (rewriter.devices.gathered); the
+        # optimizer holds the shards, which no measured step updates, so it is not decided.
+        sharded = bool(fsdp2_modules(model))
+        job = Job(model, args, kwargs, backend, training, None if sharded else optimizer,
+                  loss_fn, dtype)
         note = ""
-        if not training:
-            job.generation, note = generation_for(model, args, kwargs, generate, backend.rng_states())
-        with _progress_to_stderr(progress):
+        with _progress_to_stderr(progress), gathered(model):
+            if not training:
+                job.generation, note = generation_for(model, args, kwargs, generate,
+                                                      backend.rng_states())
             if not distributed.is_multi_rank():
                 outcome = run_pipeline(job, chosen, settings)
             else:
                 outcome = _run_on_every_rank(job, chosen, settings)
         if note:
             outcome.report.notes.append(note)
+        if sharded and optimizer is not None:
+            outcome.optimizer = optimizer
+            outcome.report.notes.append(sharded_optimizer_note(optimizer))
         return outcome
 
     result = OptimizedModel(model, pending=run)

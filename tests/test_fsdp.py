@@ -5,8 +5,10 @@ docs do: rank 0 decides on the plain model, rank 1 replays its plan, and the rew
 in the block class runs inside FSDP2's pre/post-forward (all-gather, reshard) on every rank.
 The losses equal those of the same model trained with eager FSDP2 in the same processes.
 
-The other order (sharded, then optimize()) is refused on every rank with a clear error: FSDP2
-gathers parameters at every forward, a collective rank 0 cannot run alone while deciding.
+The other order (``fully_shard``, then optimize(), as the Trainer callback meets it under
+accelerate's FSDP2): every rank gathers the parameters once (rewriter.devices.gathered), rank 0
+decides on them with every forward and backward local, the others replay its plan, and the
+shards come out untouched and resharded.
 """
 from __future__ import annotations
 
@@ -108,19 +110,64 @@ def _optimize_then_shard(rank: int, port: int, out_dir: str) -> None:
 
 def _shard_then_optimize(rank: int, port: int, out_dir: str) -> None:
     import rewriter
+    from tests.controlled import QUICK, ControlledClock
 
     _join(rank, port)
     try:
-        model = _shard(_stack().train())
-        try:
-            rewriter.optimize(model, (torch.randn(2, 16, 32),), loss_fn=lambda out: out.pow(2).mean(),
-                              progress=False, profile=False, knowledge_base=False)
-            error = None
-        except ValueError as e:
-            error = str(e)
-        losses = _train(model, model, rank)  # the model is untouched and trains as before
+        plain = _stack().train()
+        eager = _shard(copy.deepcopy(plain))
+        model = _shard(plain)
+        shards = {n: p.to_local().clone() for n, p in model.named_parameters()}
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        clock = ControlledClock({"fuse_attention": 0.5})
+        fast, returned = rewriter.optimize(
+            model, (torch.randn(2, 16, 32),), optimizer=opt, passes=["fuse_attention"],
+            loss_fn=lambda out: out.pow(2).mean(), gate=QUICK, clock=clock, progress=False,
+            profile=False, knowledge_base=False, regional=True)
+        untouched = all(torch.equal(p.to_local(), shards[n]) and p.grad is None
+                        for n, p in model.named_parameters())
+        sharded_again = all(type(p).__name__ == "DTensor" for p in model.parameters())
+        cap = fast._outcome.capture
+        runs_before = sum(s.runs for s in cap.slots if s.block)
+        losses = _train(fast, model, rank)
+        runs = sum(s.runs for s in cap.slots if s.block) - runs_before
+        eager_losses = _train(eager, eager, rank)
+        result = {"kept": fast.report.kept_passes, "clock_calls": clock.calls,
+                  "statuses": {d.pass_name: d.status for d in fast.report.decisions},
+                  "blocks": [(b["class"], b["instances"]) for b in fast.report.blocks],
+                  "same_optimizer": returned is opt, "notes": fast.report.notes,
+                  "untouched": untouched, "sharded_again": sharded_again,
+                  "block_graph_runs": runs, "losses": losses, "eager_losses": eager_losses,
+                  "graph_code": "".join(v for k, v in fast.graph_code().items() if "." in k)}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"error": error, "losses": losses}, f)
+            json.dump(result, f)
+        dist.barrier()
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def _optimize_inside_a_sharded_forward(rank: int, port: int, out_dir: str) -> None:
+    import rewriter
+
+    _join(rank, port)
+    try:
+        plain = _stack().train()
+        eager = _shard(copy.deepcopy(plain))
+        model = _shard(plain)
+        errors = []
+
+        def optimize_now(module, args):  # runs after FSDP2's own pre-forward (the gathering)
+            try:
+                rewriter.optimize(model, args, loss_fn=lambda out: out.pow(2).mean(),
+                                  progress=False, profile=False, knowledge_base=False)
+            except ValueError as e:
+                errors.append(str(e))
+        model.register_forward_pre_hook(optimize_now)
+        losses = _train(model, model, rank)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"errors": errors, "losses": losses,
+                       "eager_losses": _train(eager, eager, rank)}, f)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -140,8 +187,26 @@ def test_optimize_then_fully_shard_runs_the_block_rewrite_on_every_rank(tmp_path
         torch.testing.assert_close(r["losses"], r["eager_losses"], rtol=1e-5, atol=1e-6)
 
 
-def test_fully_shard_then_optimize_is_refused_on_every_rank_without_hanging(tmp_path):
-    ranks = run_ranks(_shard_then_optimize, tmp_path, world=WORLD, join_seconds=JOIN_SECONDS)
+def test_fully_shard_then_optimize_decides_on_gathered_parameters_on_every_rank(tmp_path):
+    zero, one = run_ranks(_shard_then_optimize, tmp_path, world=WORLD, join_seconds=JOIN_SECONDS)
+    assert zero["statuses"]["fuse_attention"] == "kept" and zero["clock_calls"] > 0
+    assert one["statuses"] == {"fuse_attention": "replayed"} and one["clock_calls"] == 0
+    assert zero["kept"] == one["kept"] == ["fuse_attention"]
+    assert zero["blocks"] == one["blocks"] == [["AttentionBlock", 2]]
+    assert one["graph_code"] == zero["graph_code"] and "scaled_dot_product_attention" in zero["graph_code"]
+    for r in (zero, one):
+        # measuring wrote nothing into the shards, and FSDP2 resharded them
+        assert r["untouched"] and r["sharded_again"]
+        # the optimizer holds the shards: handed back as it was, and the report says why
+        assert r["same_optimizer"] and any("sharded by FSDP2" in n for n in r["notes"])
+        assert r["block_graph_runs"] >= 2 * STEPS
+        torch.testing.assert_close(r["losses"], r["eager_losses"], rtol=1e-5, atol=1e-6)
+
+
+def test_optimize_inside_a_forward_of_the_sharded_model_is_refused_on_every_rank(tmp_path):
+    ranks = run_ranks(_optimize_inside_a_sharded_forward, tmp_path, world=WORLD,
+                      join_seconds=JOIN_SECONDS)
     for r in ranks:
-        assert r["error"] and "fully_shard" in r["error"] and "before" in r["error"]
-        assert len(r["losses"]) == STEPS
+        assert len(r["errors"]) == STEPS and "inside a forward" in r["errors"][0]
+        # refused before anything was gathered: FSDP2 trains exactly as without the hook
+        torch.testing.assert_close(r["losses"], r["eager_losses"], rtol=0, atol=0)

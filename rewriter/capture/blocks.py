@@ -28,6 +28,16 @@ class BlockClass:
         return self.cls.__name__
 
 
+def unwrapped_class(module: nn.Module) -> type:
+    """The class the user wrote: FSDP2 swaps a sharded instance's class for ``FSDP<Name>``, a
+    subclass of ``(FSDPModule, Name)`` made at run time, whose forward is ``Name``'s."""
+    cls = type(module)
+    index = getattr(cls, "_orig_cls_mro_index", None)
+    if isinstance(index, int) and cls.__name__.startswith("FSDP") and len(cls.__mro__) > index:
+        return cls.__mro__[index]
+    return cls
+
+
 def _is_torch_class(cls: type) -> bool:
     return cls.__module__.split(".")[0] == "torch"
 
@@ -46,14 +56,15 @@ def find_blocks(model: nn.Module) -> list[BlockClass]:
     for m in model.modules():
         if isinstance(m, (nn.ModuleList, nn.Sequential)):
             for child in m.children():
-                counts[type(child)] = counts.get(type(child), 0) + 1
+                cls = unwrapped_class(child)
+                counts[cls] = counts.get(cls, 0) + 1
     wanted = {cls for cls, k in counts.items() if k >= 2}
     by_class: dict[type, list[tuple[str, nn.Module]]] = {}
     inside: list[str] = []  # names of instances already taken: their submodules are not blocks
     for name, m in model.named_modules():
         if m is model or any(name.startswith(p + ".") for p in inside):
             continue
-        cls = type(m)
+        cls = unwrapped_class(m)
         if (cls in wanted or cls.__name__ in named) and not _is_torch_class(cls) \
                 and _has_parameters(m):
             by_class.setdefault(cls, []).append((name, m))

@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch._C._dynamo.eval_frame import reset_code
 from torch._dynamo.eval_frame import skip_code
 
+from rewriter.capture.blocks import unwrapped_class
 from rewriter.capture.front_ends import DynamoCapture, _unlogged_trace_headers_skipped, _weak_backend
 from rewriter.capture.install import hooks_of, install
 
@@ -207,9 +208,9 @@ def _calling_frames(model: nn.Module, blocks: list[Any]) -> list[types.CodeType]
             while parent and isinstance(modules.get(parent), containers):
                 parent = parent.rpartition(".")[0]
             holder = modules.get(parent)
-            if holder is None or type(holder).__module__.split(".")[0] == "torch":
+            if holder is None or unwrapped_class(holder).__module__.split(".")[0] == "torch":
                 continue
-            fn: Any = type(holder).forward
+            fn: Any = unwrapped_class(holder).forward
             while fn is not None:
                 code = getattr(fn, "__code__", None)
                 if code is not None:

@@ -7,9 +7,12 @@ rewrites. The plan travels as JSON bytes in a tensor (no pickling, unlike
 
     plan = share_plan(plan_on_rank0_or_None)    # every rank returns rank 0's plan
 
-Optimize the bare model on every rank, then wrap it in DDP/FSDP: measuring runs no collectives,
-so rank 0 can measure while the others wait here. A model already sharded is refused on every
-rank (:func:`check_not_sharded`) instead of hanging.
+Optimize the bare model on every rank, then wrap it in DDP/FSDP2: measuring runs no
+collectives, so rank 0 can measure while the others wait here. A model already sharded by FSDP2
+is decided on its gathered parameters (:mod:`rewriter.devices.gathered`: every rank gathers them
+once, then no forward or backward is a collective); one wrapped in the older FSDP
+(``FullyShardedDataParallel``) is refused on every rank (:func:`check_not_sharded`) instead of
+hanging.
 """
 from __future__ import annotations
 
@@ -34,25 +37,27 @@ def sharded_by(model: torch.nn.Module) -> str | None:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
     except ImportError:  # pragma: no cover
         FSDP1 = ()  # noqa: N806
+    found = None
     for m in model.modules():
-        if FSDPModule and isinstance(m, FSDPModule):
-            return "FSDP2 (fully_shard)"
         if FSDP1 and isinstance(m, FSDP1):
             return "FSDP"
-    return None
+        if FSDPModule and isinstance(m, FSDPModule):
+            found = "FSDP2 (fully_shard)"
+    return found
 
 
 def check_not_sharded(model: torch.nn.Module) -> None:
-    """Refuse, on every rank alike (no collective is needed to decide it), a model that is
-    already sharded: rank 0 would gather parameters alone while the others wait for its plan."""
+    """Refuse, on every rank alike (no collective is needed to decide it), a model wrapped in the
+    older FSDP: rank 0 would gather parameters alone while the others wait for its plan (FSDP2
+    models are gathered on every rank first, :mod:`rewriter.devices.gathered`)."""
     by = sharded_by(model) if is_multi_rank() else None
-    if by is not None:
+    if by == "FSDP":
         raise ValueError(
-            f"the model is already sharded by {by}: optimize() it before fully_shard(), as in "
-            "`fast = rewriter.optimize(model, ...)` then fully_shard() each block and the root. "
-            "Sharded, every forward gathers parameters (a collective), and rank 0 would run "
-            "those alone while the other ranks wait for its decisions; the rewrites installed in "
-            "the blocks run under FSDP2 when it wraps them afterwards")
+            "the model is already sharded by FSDP (FullyShardedDataParallel): optimize() it "
+            "before wrapping it, as in `fast = rewriter.optimize(model, ...)` then wrap, or "
+            "shard it with FSDP2's fully_shard(), which optimize() can decide on. Sharded, "
+            "every forward gathers parameters (a collective), and rank 0 would run those alone "
+            "while the other ranks wait for its decisions")
 
 
 def rank() -> int:
