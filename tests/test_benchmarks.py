@@ -262,3 +262,24 @@ def test_the_generation_table_gives_speedups_rates_and_what_optimize_decided():
     # 47 further tokens in the 470 ms a 48-token call takes beyond a 1-token one
     assert _decode_rate(520.0, 50.0) == round((NEW_TOKENS - 1) / 0.47, 1)
     assert _decode_rate(50.0, 50.0) is None
+
+
+def test_the_fsdp_table_gives_each_rank_its_kept_rewrites_and_loss_difference():
+    from benchmarks.fsdp import to_markdown
+
+    def rank(r, order, kept):
+        return {"rank": r, "seconds": 7.0 + r, "kept": kept, "runs": "rewritten blocks and outer graphs",
+                "block_graph_runs": 16, "losses": [9.0, 8.5], "eager_losses": [9.0, 8.5 + 1e-6],
+                "statuses": {"fuse_attention": "kept" if r == 0 else "replayed"}, "notes": [], "final": ""}
+    result = {"command": "python -m benchmarks.fsdp", "machine": {"cpu": "test cpu", "cpu_count": 2},
+              "layers": 4, "steps": 2,
+              "plain": {"seconds": 6.5, "kept": ["fuse_attention", "fuse_optimizer"],
+                        "statuses": {"fuse_attention": "kept"}},
+              "optimize_then_shard": [rank(0, "o", ["fuse_attention", "fuse_optimizer"]),
+                                      rank(1, "o", ["fuse_attention", "fuse_optimizer"])],
+              "shard_then_optimize": [rank(0, "s", ["fuse_attention"]), rank(1, "s", ["fuse_attention"])]}
+    md = to_markdown(result)
+    assert "| plain (no process group) | - | 6.5 | fuse_attention, fuse_optimizer | - | - | - |" in md
+    assert ("| shard then optimize | 1 | 8.0 | fuse_attention | rewritten blocks and outer graphs | 16 | "
+            "1.00e-06 |") in md
+    assert "LLaMA config, 4 layers" in md and "2 steps" in md
