@@ -403,3 +403,48 @@ def test_a_regional_step_check_that_falls_short_of_the_regions_prediction_is_slo
                           settings=SimpleNamespace(gate=GateSettings(), objective="time"))
     m = SimpleNamespace(pairs=12, busy=False, speedup=speedup, noise=noise, baseline_ms=40.0)
     assert _slower(m, run) is slower  # predicted: 2 ms of a 40 ms step, 1.053x
+
+
+def test_recording_a_block_graph_ends_the_run_at_its_first_call(monkeypatch):
+    """Recording region boundary values runs the model only until every graph with a region
+    has recorded: a block graph records at its first call, so the later layers never run for
+    it and recording costs the same at any depth."""
+    from rewriter.decide.regions import RegionDecisions
+
+    torch.manual_seed(0)
+    model, x = Stack(n=4).eval(), torch.randn(8, 16)
+    recording, later_layers = [False], []
+    model.blocks[3].register_forward_hook(lambda m, a, out: later_layers.append(recording[0]))
+    record = RegionDecisions._record
+
+    def spied(self, regions):
+        recording[0] = True
+        try:
+            values = record(self, regions)
+        finally:
+            recording[0] = False
+        assert values is not None and all(values.values())  # every graph recorded its values
+        return values
+    monkeypatch.setattr(RegionDecisions, "_record", spied)
+    fast = _opt(model, (x,))
+    assert _decision(fast).kept
+    assert later_layers and True not in later_layers  # the last layer ran, never while recording
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model.head(nn.Sequential(*model.blocks)(x)))
+
+
+def test_a_regional_capture_is_checked_against_the_model_once(monkeypatch):
+    """The check runs the whole model (forward and backward in training): a regional capture
+    that passed it is not run through it again."""
+    from rewriter.capture.choose import CaptureStage
+
+    checks = []
+    check = CaptureStage._capture_mismatch
+    monkeypatch.setattr(CaptureStage, "_capture_mismatch",
+                        lambda self, cap: checks.append(cap.front_end) or check(self, cap))
+    torch.manual_seed(0)
+    model, x = Stack(n=3), torch.randn(8, 16)
+    fast, _ = _opt(model, (x,), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                   loss_fn=lambda out: out.pow(2).mean())
+    assert fast.report.front_end == "regional" and _decision(fast).kept
+    assert checks == ["regional"]

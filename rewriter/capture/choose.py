@@ -28,8 +28,10 @@ class CaptureStage:
         job, front_end = self.job, self.settings.front_end
         log.info("rewriter: capturing %s (%s step)", type(job.model).__name__, job.mode)
         cap = self._regional_capture()
+        checked = False  # a regional capture is checked (and its graphs' calls counted) once
         if cap is not None:
             problem = self._capture_mismatch(cap)
+            checked = not problem
             if problem:
                 cap.remove()
                 log.info("rewriter: the regional capture differs from the model (%s); capturing "
@@ -41,7 +43,7 @@ class CaptureStage:
             cap = capture(job.model, job.args, job.kwargs, front_end)
         if isinstance(cap, FxCapture):
             cap.restore_output_type(job.output_type)
-        problem = self._capture_mismatch(cap)
+        problem = "" if checked else self._capture_mismatch(cap)
         if problem and cap.front_end == "fx" and front_end == "auto":
             cap = DynamoCapture(job.model, f"symbolic_trace graph differs from the model ({problem})")
             problem = self._capture_mismatch(cap)

@@ -14,7 +14,7 @@ measured alone, see rewriter.capture.region).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.fx import GraphModule, Interpreter, Node
@@ -31,12 +31,19 @@ def _is_model_tensor(node: Node, value: Any) -> bool:
         value, torch.nn.Parameter)
 
 
-class Recorder:
-    """Values of the nodes named in ``names``, from the next run of a graph."""
+class RecordingDone(Exception):
+    """Raised (by a ``then`` callback) once every recorder of a run has its values: the rest of
+    the model's run would only repeat what a block graph already recorded at its first call."""
 
-    def __init__(self, names: set[str]) -> None:
+
+class Recorder:
+    """Values of the nodes named in ``names``, from the next run of a graph; ``then()`` is
+    called after that run (it may raise :class:`RecordingDone` to end the model's run)."""
+
+    def __init__(self, names: set[str], then: Callable[[], None] | None = None) -> None:
         self.names = set(names)
         self.values: dict[str, Recorded] = {}
+        self.then = then
 
     def run(self, gm: GraphModule, args: tuple, kwargs: dict) -> Any:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -52,7 +59,10 @@ class Recorder:
                     recorder._keep(n, result)
                 return result
 
-        return _Recording(gm).run(*flat)
+        out = _Recording(gm).run(*flat)
+        if self.then is not None:
+            self.then()
+        return out
 
     def _keep(self, node: Node, value: Any) -> None:
         if isinstance(value, torch.Tensor):

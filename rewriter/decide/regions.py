@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from rewriter.capture.front_ends import GraphSlot
-from rewriter.capture.record import Recorded, Recorder
+from rewriter.capture.record import Recorded, Recorder, RecordingDone
 from rewriter.capture.region import Region, captured_dtype, dtype_of_region, find_regions
 from rewriter.decide import memory
 from rewriter.decide.confirm import KeptUnit
@@ -29,6 +29,7 @@ from rewriter.decide.site_gate import (
     verify_region,
 )
 from rewriter.decide.verify import Comparison
+from rewriter.devices.gathered import fsdp2_modules
 from rewriter.pass_api import Pass
 from rewriter.report import Decision
 
@@ -320,15 +321,29 @@ class RegionDecisions:
         names: dict[str, set[str]] = defaultdict(set)
         for slot, r in regions:
             names[slot.name].update(r.inputs)
+        pending = set(names)
+        # The run ends once every graph has recorded (a block graph records at its first call:
+        # the other layers would only run), so recording costs the same at any depth. Not under
+        # FSDP2, whose per-iteration state a forward cut short would leave mid-forward.
+        stop_early = not fsdp2_modules(self.job.model)
+
+        def recorded(name: str) -> None:
+            pending.discard(name)
+            if stop_early and not pending:
+                raise RecordingDone
+
         recorders = {}
         for slot in self.cap.slots:
             if slot.name in names:
-                slot.recorder = recorders[slot.name] = Recorder(names[slot.name])
+                slot.recorder = recorders[slot.name] = Recorder(
+                    names[slot.name], then=functools.partial(recorded, slot.name))
         try:
             torch.manual_seed(VERIFY_SEED)
             grad = torch.enable_grad() if self.job.training else torch.no_grad()
             with switched(self.cap.switch, deterministic=True), grad:
                 self.job.call(self.cap)
+        except RecordingDone:
+            pass
         finally:
             for slot in self.cap.slots:
                 slot.recorder = None
