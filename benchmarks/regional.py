@@ -6,9 +6,11 @@
 The zoo's LLaMA config (hidden 256, 4x256 tokens, fp32 training with AdamW), afresh (no
 knowledge base, Dynamo reset before each run, as a new process), at each depth:
 
-- optimize() with the defaults (regional: each decoder layer class decided once) and with
-  ``regional=False`` (one capture of the whole model): seconds, of which the capture, the
-  graphs captured, the block graphs, the kept passes;
+- optimize() with ``compile=False`` (what deciding the rewrites costs; regional: each decoder
+  layer class decided once) and with ``regional=False`` too (one capture of the whole model):
+  seconds, of which the capture, the graphs captured, the block graphs, the kept passes; at
+  the deepest depth also with the defaults (``compile="auto"``: the compiler is a candidate
+  when its predicted cost can repay within the run, a one-time cost weighed apart);
 - the floor of the fixed whole-model runs any measuring optimize() makes (the reference, the
   composed model's verification, the step check's fewest pairs), from one eager step;
 - torch.compile's (Inductor's) first training step, with a cold Inductor cache of its own, in
@@ -46,16 +48,19 @@ def _say(msg: str) -> None:
     print(f"[regional {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def optimize_run(layers: int, regional: Any, checkpointing: bool | None = None) -> dict[str, Any]:
+def optimize_run(layers: int, regional: Any, checkpointing: bool | None = None,
+                 compile: Any = False) -> dict[str, Any]:
     """``checkpointing``: None leaves the model as built; False/True compares like with like
-    (``use_cache=False`` both ways, as transformers sets it under checkpointing)."""
+    (``use_cache=False`` both ways, as transformers sets it under checkpointing). ``compile``:
+    False (the cost of deciding the rewrites), "auto" (optimize()'s default: also the compiler
+    as a candidate, when its predicted cost can repay within the run)."""
     torch._dynamo.reset()
     case = _case(MODEL, layers)
     if checkpointing is not None:
         case.model.config.use_cache = False
     if checkpointing:
         case.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    fast, _, seconds = timed_optimize(case, knowledge_base=False, regional=regional)
+    fast, _, seconds = timed_optimize(case, knowledge_base=False, regional=regional, compile=compile)
     r = fast.report
     blocks = r.blocks or []
     out = {"layers": layers, "regional": r.front_end == "regional", "seconds": round(seconds, 2),
@@ -178,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             row["whole"] = optimize_run(layers, False)
         row["eager_step_s"] = round(eager_step_s(layers), 3)
         row["floor_s"] = round(FEWEST_WHOLE_STEPS * row["eager_step_s"], 2)
+        if layers == max(args.depths):
+            _say(f"{layers} layers: optimize() with the defaults (compile='auto')")
+            row["defaults"] = optimize_run(layers, "auto", compile="auto")
         if args.compile and layers == max(args.depths):
             _say(f"{layers} layers: torch.compile first step (a fresh process, cold caches)")
             row["compile_first_step_s"] = in_fresh_process("compile_first_step_s", layers)
@@ -209,7 +217,7 @@ def to_markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [f"`{result['command']}` — {m.get('cpu', '?')} ({isa_text(m)}), {m.get('cpu_count', '?')} cores, "
              f"torch {m.get('torch', '?')}, {m.get('date', '?')}", "",
-             f"## Cost against depth ({MODEL} config, fp32 training, afresh)", "",
+             f"## Cost against depth ({MODEL} config, fp32 training, afresh, compile=False)", "",
              "| layers | capture | optimize() s | of it capture s | graphs | block graphs | kept | "
              "fixed whole-model runs s (floor) | torch.compile first step s |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -228,6 +236,11 @@ def to_markdown(result: dict[str, Any]) -> str:
         growth = depth[hi]["floor_s"] - depth[lo]["floor_s"]
         lines += ["", f"Regional, {hi} against {lo} layers: {b} s against {a} s; {lo} layers plus the "
                   f"growth of the fixed whole-model runs ({growth:.2f} s): {a + growth:.2f} s."]
+        d = depth[hi].get("defaults")
+        if d:
+            lines.append(f"With the defaults (compile='auto') at {hi} layers: {d['seconds']} s, kept "
+                         f"{', '.join(d['kept']) or '-'}; compile {d['statuses'].get('compile', 'not tried')} "
+                         f"(phases: {', '.join(f'{k} {v}' for k, v in d['phases'].items())}).")
         if "compile_first_step_s" in depth[hi]:
             c = depth[hi]["compile_first_step_s"]
             lines.append(f"optimize() at {hi} layers / torch.compile's first step at {hi} layers: "

@@ -76,7 +76,11 @@ class OptimizedModel(nn.Module):
             outcome.fall_back_to_original("rewriter.restore(): the installed blocks were taken "
                                           "off; the original model runs")
         self.__dict__["_compiled"] = None  # nor a compiled form of it
-        return _restore(self.__dict__["_model"])
+        removed = _restore(self.__dict__["_model"])
+        capture = getattr(outcome, "capture", None)
+        if hasattr(capture, "remove") and getattr(capture, "front_end", "") == "regional":
+            capture.remove()  # and Dynamo traces the forwards that call the blocks again
+        return removed
 
     def graph_code(self) -> dict[str, str]:
         """Python code of each captured graph as it now runs (empty before optimizing)."""

@@ -18,6 +18,7 @@ import contextlib
 import inspect
 import types
 import warnings
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -57,10 +58,23 @@ class RegionalCapture(DynamoCapture):
         # The forwards that call the blocks run as Python, not traced: Dynamo would trace each
         # of them (and each decorator around it) up to the first block call, find a graph break
         # in a loop, and drop the whole trace; what they call is still captured, frame by frame
-        # (the embeddings, the mask, the final norm, the head and the loss).
+        # (the embeddings, the mask, the final norm, the head and the loss). Skipped as frames
+        # of their own, and not inlined into the frame that calls them either (a causal LM's
+        # head traced LlamaModel's forward twice that way, its cache set up per layer included:
+        # 90% of Dynamo's tracing at 16 layers, all of it dropped at the first block).
+        _reset_dropped_codes()
         self._untraced = _calling_frames(model, blocks)
-        for code in self._untraced:
-            skip_code(code)
+        self._not_inlined = []
+        for fn in self._untraced:
+            skip_code(fn.__code__)
+            if not inspect.getattr_static(fn, "_torchdynamo_disable", False):
+                try:
+                    fn._torchdynamo_disable = True  # what torch._dynamo.skip() marks
+                except (AttributeError, TypeError):
+                    continue
+                self._not_inlined.append(fn)
+        # undone by remove(), or when the capture is dropped (the optimized model with it)
+        self._unmark = weakref.finalize(self, _unmark, self._untraced, self._not_inlined)
         super().__init__(model, reason)
 
     def _same_in_every_instance(self, value: torch.Tensor, block: Any) -> bool:
@@ -118,9 +132,8 @@ class RegionalCapture(DynamoCapture):
         Dynamo traces the forwards that call them again."""
         for inst in self.installations:
             inst.remove()
-        for code in self._untraced:
-            reset_code(code)
-        self._untraced = []
+        self._unmark()
+        _reset_dropped_codes()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.engaged_in_thread():
@@ -195,13 +208,35 @@ class _BlockRunner:
         return id(module) in self.unhooked
 
 
-def _calling_frames(model: nn.Module, blocks: list[Any]) -> list[types.CodeType]:
-    """Code objects of the forwards that call block instances: the module holding each instance,
-    directly or through a ModuleList/Sequential/ModuleDict, with the decorators wrapped around
-    its forward. torch.nn's own classes are left alone (their code serves every model)."""
+# Code objects of removed or dropped captures, whose Dynamo state is reset at our next call: a
+# collection can run inside a Dynamo frame evaluation, which must not see a code's state freed.
+_DROPPED_CODES: list[types.CodeType] = []
+
+
+def _unmark(untraced: list[Any], not_inlined: list[Any]) -> None:
+    """Dynamo inlines the forwards that call the blocks again, and traces them as frames after
+    :func:`_reset_dropped_codes` (runs once: at remove(), or when the capture is collected)."""
+    for fn in not_inlined:
+        with contextlib.suppress(AttributeError):
+            del fn._torchdynamo_disable
+    _DROPPED_CODES.extend(fn.__code__ for fn in untraced)
+    untraced.clear()
+    not_inlined.clear()
+
+
+def _reset_dropped_codes() -> None:
+    while _DROPPED_CODES:
+        reset_code(_DROPPED_CODES.pop())
+
+
+def _calling_frames(model: nn.Module, blocks: list[Any]) -> list[Any]:
+    """The forwards that call block instances (functions with a ``__code__``): the module
+    holding each instance, directly or through a ModuleList/Sequential/ModuleDict, with the
+    decorators wrapped around its forward. torch.nn's own classes are left alone (their code
+    serves every model)."""
     modules = dict(model.named_modules())
     containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-    codes: dict[int, types.CodeType] = {}
+    codes: dict[int, Any] = {}
     for b in blocks:
         for name, _ in b.instances:
             parent = name.rpartition(".")[0]
@@ -212,9 +247,8 @@ def _calling_frames(model: nn.Module, blocks: list[Any]) -> list[types.CodeType]
                 continue
             fn: Any = unwrapped_class(holder).forward
             while fn is not None:
-                code = getattr(fn, "__code__", None)
-                if code is not None:
-                    codes[id(code)] = code
+                if getattr(fn, "__code__", None) is not None:
+                    codes[id(fn)] = fn
                 fn = getattr(fn, "__wrapped__", None)
     return list(codes.values())
 
