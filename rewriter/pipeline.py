@@ -166,7 +166,9 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
                 (s.overlay is not None) if kp.pass_.sets_precision else
                 apply_kept(s.original, kp, self.ctx, s.name) is not None for s in slots)]
         self.report.blocks = rows
-        if outcome.use_original or not any(r["rewritten"] for r in rows):
+        if cap.lifted_for_good:
+            pass  # the compiled original model runs, guarded against the class patches as they are
+        elif outcome.use_original or not any(r["rewritten"] for r in rows):
             cap.remove()
         else:
             cap.engage()

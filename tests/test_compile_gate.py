@@ -56,9 +56,11 @@ def _opt(model, inputs, clock, compile, **kw):
                              compile=compile, **kw)
 
 
-def _compile_row(fast):
-    rows = [d for d in fast.report.decisions if d.pass_name == "compile"]
-    assert len(rows) == 1, [d.pass_name for d in fast.report.decisions]
+def _compile_row(fast, original=False):
+    """The compile row of the rewritten model (or of the original model compiled beside it)."""
+    rows = [d for d in fast.report.decisions if d.pass_name == "compile"
+            and any("(original model)" in s for s in d.sites) == original]
+    assert len(rows) == 1, [(d.pass_name, d.sites) for d in fast.report.decisions]
     return rows[0]
 
 
@@ -365,3 +367,76 @@ def test_budget_arithmetic():
     assert deciding_budget(60.0, 100, 0.5) == 12.5  # a quarter of 100 steps of 0.5 s
     assert deciding_budget(60.0, 10, 0.5) == MIN_BUDGET
     assert deciding_budget(60.0, 10**6, 0.5) == 60.0 and deciding_budget(None, 10**6, 0.5) == 125_000
+
+
+# --- the original model compiled, beside kept rewrites ----------------------------------------
+
+@pytest.mark.parametrize("front_end", ["fx", "dynamo"])
+def test_the_original_model_compiled_runs_when_it_beats_the_rewritten_one_compiled(mlp, front_end):
+    """A rewrite can hide a pattern from the compiler: with rewrites kept, the original model
+    compiled is a candidate too, and when it is the faster one it runs; the rewrites are
+    superseded (not run) and the plan replays it."""
+    from rewriter.devices.executors import CompiledOriginal
+
+    model, x = mlp
+    fake = FakeCompiler()
+    clock = ControlledClock({"a": 0.8, "compile": 0.7, "original": 0.5})
+    fast = _opt(model, (x,), clock, fake, passes=[RewriteRelu("a")], front_end=front_end)
+    rewritten, original = _compile_row(fast), _compile_row(fast, original=True)
+    assert original.kept and original.speedup == pytest.approx(0.8 / 0.35, rel=0.05)
+    assert not rewritten.kept and "fake (original model) is faster still" in rewritten.reason
+    a = next(d for d in fast.report.decisions if d.pass_name == "a")
+    assert a.status == "superseded" and not a.kept and fast.report.kept_passes == ["compile"]
+    assert isinstance(fast._compiled["original"], CompiledOriginal)
+    assert fast.report.plan["kept_passes"] == [] and fast.report.plan["compile"]["kept"]
+    before = fake.calls
+    torch.testing.assert_close(fast(x), model(x))
+    assert fake.calls > before  # the compiled original is what runs
+    clock2, fake2 = ControlledClock(), FakeCompiler()
+    again = _opt(model, (x,), clock2, fake2, passes=[RewriteRelu("a")], plan=fast.report.plan,
+                 front_end=front_end)
+    assert _compile_row(again).status == "replayed" and clock2.calls == 0
+    assert isinstance(again._compiled["original"], CompiledOriginal) or "original" in again._compiled
+    torch.testing.assert_close(again(x), model(x))
+
+
+def test_the_original_model_compiled_is_not_kept_when_the_rewritten_one_is_faster(mlp):
+    model, x = mlp
+    fast = _opt(model, (x,), ControlledClock({"a": 0.5, "compile": 0.5, "original": 1.2}),
+                FakeCompiler(), passes=[RewriteRelu("a")])
+    assert _compile_row(fast).kept and not _compile_row(fast, original=True).kept
+    assert fast.report.kept_passes == ["a", "compile"]
+
+
+def test_nothing_kept_has_one_compile_candidate_the_original_model(mlp):
+    model, x = mlp
+    fast = _opt(model, (x,), ControlledClock({"compile": 0.5}), FakeCompiler(), passes=[])
+    assert _compile_row(fast).kept
+    assert not [d for d in fast.report.decisions if any("(original model)" in s for s in d.sites)]
+
+
+def test_a_regional_model_runs_the_original_compiled_with_its_blocks_lifted_for_good():
+    """Regional capture: the original model is compiled with the installed blocks lifted (its
+    trace sees each block's own code), measured beside the rewritten step, and, kept, runs; the
+    blocks then run their own forward when called directly, and restore() undoes everything."""
+    from rewriter.capture.install import FLAG
+    from tests.test_regional import Block, Stack
+
+    torch.manual_seed(0)
+    model, x = Stack(n=3).eval(), torch.randn(8, 16)
+    with torch.no_grad():
+        want = model(x)
+    fake = FakeCompiler()
+    fast = _opt(model, (x,), ControlledClock({"a": 0.8, "compile": 0.7, "original": 0.5}), fake,
+                passes=[RewriteRelu("a")], regional=True)
+    assert fast.report.front_end == "regional" and _compile_row(fast, original=True).kept
+    assert not any(FLAG in b.__dict__ for b in model.blocks)  # lifted: traced as their own code
+    with torch.no_grad():
+        before = fake.calls
+        torch.testing.assert_close(fast(x), want)
+        assert fake.calls > before
+        torch.testing.assert_close(model(x), want)
+    fast.restore()
+    assert "forward" not in Block.__dict__ or Block.forward.__name__ == "forward"
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), want)

@@ -452,10 +452,11 @@ def test_a_regional_capture_is_checked_against_the_model_once(monkeypatch):
 
 def test_the_forward_calling_the_blocks_is_neither_traced_nor_inlined_until_restore():
     """Dynamo would trace the forward that loops over the blocks up to the first block call
-    (from its own frame, and inlined into its caller's) and drop the trace there; it is marked
-    as torch._dynamo.skip() marks a function while the blocks are installed, and exactly as it
-    was after restore."""
-    class Loop(Stack):  # a forward of its own (Stack's is shared with the other tests)
+    (from its own frame, and inlined into its caller's) and drop the trace there: on the
+    optimized model's own instance it is torch._dynamo.disable(recursive=False)'d while the
+    blocks are installed (another instance of the class, its class, are untouched), and
+    exactly as it was after restore."""
+    class Loop(Stack):
         def forward(self, x):
             for b in self.blocks:
                 x = b(x)
@@ -470,15 +471,18 @@ def test_the_forward_calling_the_blocks_is_neither_traced_nor_inlined_until_rest
             return self.stack(x).relu() * 2
 
     torch.manual_seed(0)
-    model, x = Outer().eval(), torch.randn(8, 16)
-    assert "_torchdynamo_disable" not in Loop.forward.__dict__
+    model, other, x = Outer().eval(), Outer().eval(), torch.randn(8, 16)
     with torch.no_grad():
         want = model(x)
     fast = _opt(model, (x,))
     assert _decision(fast).kept and fast.report.front_end == "regional"
-    assert Loop.forward.__dict__.get("_torchdynamo_disable") is True
-    assert "_torchdynamo_disable" not in Outer.forward.__dict__  # it calls no block: traced
+    marked = model.stack.__dict__.get("forward")
+    assert marked is not None and marked.__func__._torchdynamo_disable is True
+    assert "forward" not in other.stack.__dict__ and "forward" not in model.__dict__
+    assert "_torchdynamo_disable" not in Loop.forward.__dict__
     with torch.no_grad():
         assert _calls(lambda: torch.testing.assert_close(fast(x), want)) == 3
     fast.restore()
-    assert "_torchdynamo_disable" not in Loop.forward.__dict__
+    assert "forward" not in model.stack.__dict__
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want)

@@ -157,6 +157,17 @@ class Installation:
         self._patch = patch
         self._release = weakref.finalize(self, _release, patch, token)
 
+    def instances(self) -> list[nn.Module]:
+        """The live instances this installation registered."""
+        with _LOCK:
+            entries = list(self._patch.owners.values())
+        found = []
+        for module, owner, _ in entries:
+            m = module()
+            if m is not None and owner() is self:
+                found.append(m)
+        return found
+
     def runs_now(self) -> bool:
         """Whether a registered instance runs the runner in this call. A forward called from
         inside a backward pass is an activation checkpoint's recompute: it runs what the

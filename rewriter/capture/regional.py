@@ -28,7 +28,7 @@ from torch._dynamo.eval_frame import skip_code
 
 from rewriter.capture.blocks import unwrapped_class
 from rewriter.capture.front_ends import DynamoCapture, _unlogged_trace_headers_skipped, _weak_backend
-from rewriter.capture.install import hooks_of, install
+from rewriter.capture.install import FLAG, hooks_of, install
 
 
 class RegionalCapture(DynamoCapture):
@@ -49,6 +49,7 @@ class RegionalCapture(DynamoCapture):
         self.blocks = blocks
         self.block_compiler: Callable[..., Any] | None = None  # regional compile, see compile_blocks
         self.installations = []
+        self.lifted_for_good = False  # the compiled original model runs (lift_for_good)
         self._instance_tensors = {b.name: [{**dict(m.named_parameters()), **dict(m.named_buffers())}
                                            for _, m in b.instances] for b in blocks}
         plain_compile = inspect.unwrap(torch.compile)
@@ -59,21 +60,19 @@ class RegionalCapture(DynamoCapture):
         # of them (and each decorator around it) up to the first block call, find a graph break
         # in a loop, and drop the whole trace; what they call is still captured, frame by frame
         # (the embeddings, the mask, the final norm, the head and the loss). Skipped as frames
-        # of their own, and not inlined into the frame that calls them either (a causal LM's
-        # head traced LlamaModel's forward twice that way, its cache set up per layer included:
-        # 90% of Dynamo's tracing at 16 layers, all of it dropped at the first block).
-        _reset_dropped_codes()
-        self._untraced = _calling_frames(model, blocks)
-        self._not_inlined = []
-        for fn in self._untraced:
+        # of their own, and, on this model's instances only, not inlined into the frame that
+        # calls them either: a causal LM's head traced LlamaModel's forward twice that way, its
+        # per-layer cache set-up included (90% of Dynamo's tracing at 16 layers), and dropped it.
+        _release_dropped()
+        functions, holders = _calling_frames(model, blocks)
+        self._untraced = functions
+        self._not_inlined = [(weakref.ref(h), _not_inlined_forward(h)) for h in holders
+                             if "forward" not in h.__dict__]
+        for fn in functions:
             skip_code(fn.__code__)
-            if not inspect.getattr_static(fn, "_torchdynamo_disable", False):
-                try:
-                    fn._torchdynamo_disable = True  # what torch._dynamo.skip() marks
-                except (AttributeError, TypeError):
-                    continue
-                self._not_inlined.append(fn)
-        # undone by remove(), or when the capture is dropped (the optimized model with it)
+        for holder, forward in self._not_inlined:
+            holder().__dict__["forward"] = forward
+        # undone by remove(), or, at our next call, after the capture is dropped
         self._unmark = weakref.finalize(self, _unmark, self._untraced, self._not_inlined)
         super().__init__(model, reason)
 
@@ -133,11 +132,44 @@ class RegionalCapture(DynamoCapture):
         for inst in self.installations:
             inst.remove()
         self._unmark()
-        _reset_dropped_codes()
+        _release_dropped()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.engaged_in_thread():
             return super().__call__(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def lifted(self) -> Iterator[None]:
+        """While the body runs, a trace of the model sees its own code: the registered
+        instances' calls are not opaque (their flag is off) and the forwards that call them are
+        inlined again; the installations stay (a compile of the original model, measured
+        beside the rewritten one, is traced and guarded in this state)."""
+        flagged = [m for inst in self.installations for m in inst.instances() if FLAG in m.__dict__]
+        marked = [(h, f) for ref, f in self._not_inlined if (h := ref()) is not None
+                  and h.__dict__.get("forward") is f]
+        for m in flagged:
+            del m.__dict__[FLAG]
+        for h, _ in marked:
+            del h.__dict__["forward"]
+        try:
+            yield
+        finally:
+            for m in flagged:
+                m.__dict__[FLAG] = True
+            for h, f in marked:
+                h.__dict__["forward"] = f
+
+    def lift_for_good(self) -> None:
+        """The state :meth:`lifted` makes, from now on: the compiled original model runs (its
+        guards hold against the class patches, which stay, unengaged: every instance runs its
+        own forward)."""
+        for inst in self.installations:
+            inst.engaged = False
+            for m in inst.instances():
+                m.__dict__.pop(FLAG, None)
+        _drop_forwards(self._not_inlined)
+        self._not_inlined.clear()
+        self.lifted_for_good = True
 
     def block_rows(self) -> list[dict]:
         """Per block class: instances, the graphs that run for it, and its nodes (the report)."""
@@ -208,35 +240,51 @@ class _BlockRunner:
         return id(module) in self.unhooked
 
 
-# Code objects of removed or dropped captures, whose Dynamo state is reset at our next call: a
-# collection can run inside a Dynamo frame evaluation, which must not see a code's state freed.
-_DROPPED_CODES: list[types.CodeType] = []
+# What removed or dropped captures leave to undo at our next call: a collection can run inside
+# a Dynamo trace, which must not see a code's state freed or a module's forward change under it.
+_DROPPED: list[tuple[list[Any], list[Any]]] = []
+
+
+def _not_inlined_forward(holder: nn.Module) -> Any:
+    """``holder``'s forward, bound, as torch._dynamo.disable(recursive=False) makes it: run as
+    Python, its callees traced as frames of their own, never inlined into its caller's trace."""
+    fn = torch._dynamo.disable(unwrapped_class(holder).forward, recursive=False)
+    return types.MethodType(fn, holder)
+
+
+def _drop_forwards(not_inlined: list[Any]) -> None:
+    for ref, forward in not_inlined:
+        holder = ref()
+        if holder is not None and holder.__dict__.get("forward") is forward:
+            del holder.__dict__["forward"]
 
 
 def _unmark(untraced: list[Any], not_inlined: list[Any]) -> None:
-    """Dynamo inlines the forwards that call the blocks again, and traces them as frames after
-    :func:`_reset_dropped_codes` (runs once: at remove(), or when the capture is collected)."""
-    for fn in not_inlined:
-        with contextlib.suppress(AttributeError):
-            del fn._torchdynamo_disable
-    _DROPPED_CODES.extend(fn.__code__ for fn in untraced)
+    """Queue the undoing of a capture's marks (runs once: at remove(), or when the capture is
+    collected); :func:`_release_dropped` undoes them."""
+    _DROPPED.append((list(untraced), list(not_inlined)))
     untraced.clear()
     not_inlined.clear()
 
 
-def _reset_dropped_codes() -> None:
-    while _DROPPED_CODES:
-        reset_code(_DROPPED_CODES.pop())
+def _release_dropped() -> None:
+    """Dynamo traces, and inlines, the forwards that call the blocks again."""
+    while _DROPPED:
+        untraced, not_inlined = _DROPPED.pop()
+        for fn in untraced:
+            reset_code(fn.__code__)
+        _drop_forwards(not_inlined)
 
 
-def _calling_frames(model: nn.Module, blocks: list[Any]) -> list[Any]:
-    """The forwards that call block instances (functions with a ``__code__``): the module
-    holding each instance, directly or through a ModuleList/Sequential/ModuleDict, with the
-    decorators wrapped around its forward. torch.nn's own classes are left alone (their code
-    serves every model)."""
+def _calling_frames(model: nn.Module, blocks: list[Any]) -> tuple[list[Any], list[nn.Module]]:
+    """The forwards that call block instances (functions with a ``__code__``), and the modules
+    whose forwards they are: the module holding each instance, directly or through a
+    ModuleList/Sequential/ModuleDict, with the decorators wrapped around its forward. torch.nn's
+    own classes are left alone (their code serves every model)."""
     modules = dict(model.named_modules())
     containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
     codes: dict[int, Any] = {}
+    holders: dict[int, nn.Module] = {}
     for b in blocks:
         for name, _ in b.instances:
             parent = name.rpartition(".")[0]
@@ -245,12 +293,13 @@ def _calling_frames(model: nn.Module, blocks: list[Any]) -> list[Any]:
             holder = modules.get(parent)
             if holder is None or unwrapped_class(holder).__module__.split(".")[0] == "torch":
                 continue
+            holders[id(holder)] = holder
             fn: Any = unwrapped_class(holder).forward
             while fn is not None:
                 if getattr(fn, "__code__", None) is not None:
                     codes[id(fn)] = fn
                 fn = getattr(fn, "__wrapped__", None)
-    return list(codes.values())
+    return list(codes.values()), list(holders.values())
 
 
 def _layer_index(block: nn.Module) -> int | None:

@@ -43,7 +43,13 @@ from rewriter.decide.knowledge import entry_key
 from rewriter.decide.run_view import RunView
 from rewriter.decide.verify import compare_runs, dropout_disabled, tolerance_for
 from rewriter.devices.compile_cache import cache_folder, is_warm, use_persistent_cache
-from rewriter.devices.executors import Executor, compiled_runner, executors_for, has_dropout
+from rewriter.devices.executors import (
+    CompiledOriginal,
+    Executor,
+    compiled_runner,
+    executors_for,
+    has_dropout,
+)
 from rewriter.report import Decision
 
 log = logging.getLogger("rewriter.progress")
@@ -74,27 +80,66 @@ class CompileGate:
             r.report.notes.append("compile: not tried: " + "; ".join(declined))
         steps = self.steps()
         tried = []
+        # the rewritten model compiled; with rewrites kept, also the original model compiled
+        # (with the fused optimizer): the compiler is never handed a worse input than the
+        # model's own code, and the faster of the two runs
+        forms = (False, True) if self._original_is_a_candidate() else (False,)
         for ex in found:
-            key = self._key(ex)
-            known = r.settings.knowledge_base.get(key)
-            skip = self._not_worth_compiling(ex, steps, known) if choice == "auto" else None
-            if skip is not None:
-                r.report.decisions.append(skip)
-                log.info("rewriter: compile (%s): not tried: %s", ex.name, skip.reason)
-            else:
-                tried.append(self._try(ex, steps, key, known))
-        kept = [(d, runner, ex) for d, runner, ex in tried if d.kept]
+            for original in forms:
+                key = self._key(ex, original)
+                known = r.settings.knowledge_base.get(key)
+                skip = self._not_worth_compiling(ex, steps, known, original) if choice == "auto" else None
+                if skip is not None:
+                    r.report.decisions.append(skip)
+                    log.info("rewriter: compile (%s): not tried: %s", _label(ex, original), skip.reason)
+                else:
+                    tried.append(self._try(ex, steps, key, known, original))
+        kept = [t for t in tried if t[0].kept]
         best = max(kept, key=lambda t: t[0].speedup or 0.0) if kept else None
-        for d, _, ex in tried:
-            if best is not None and d.kept and ex is not best[2]:
+        for d, _, ex, original in tried:
+            if best is not None and d.kept and (ex, original) != (best[2], best[3]):
                 d.kept, d.status = False, "rejected"
-                d.reason = f"{best[2].name} is faster still; {d.reason}"
+                d.reason = f"{_label(best[2], best[3])} is faster still; {d.reason}"
             r.report.decisions.append(d)
-            log.info("rewriter: compile (%s): %s: %s", ex.name, d.status, d.reason)
+            log.info("rewriter: compile (%s): %s: %s", _label(ex, original), d.status, d.reason)
         if best is not None:
+            if best[3]:
+                self._prefer_original(best[0])
             self._install(best[1], best[2])
         else:
             r.compile_plan = {"executor": found[0].name, "kept": False}
+
+    def _original_is_a_candidate(self) -> bool:
+        """Rewrites are kept (else the original model is what is compiled anyway), none sets the
+        precision, and the model is called once a step (a generation's decode calls compile
+        through CompiledForward)."""
+        r = self.run
+        # a precision pass is a rewrite the compiler cannot make: the original model compiled
+        # would run in another precision (not offered until it can carry the precision too)
+        return bool(r.kept) and r.job.generation is None and \
+            not any(kp.pass_.sets_precision for kp in r.kept)
+
+    def _prefer_original(self, decision: Decision) -> None:
+        """The original model compiled beat the rewritten one: it runs (with the fused
+        optimizer, if kept); the graph rewrites are superseded, the slots back to the original
+        graphs, and a regional capture's installations lifted for good."""
+        r = self.run
+        names = {kp.name for kp in r.kept}
+        for d in r.report.decisions:
+            if d.pass_name in names and d.kept:
+                d.kept, d.status = False, "superseded"
+                d.reason = (f"superseded: the original model compiled runs, faster than the rewritten "
+                            f"model compiled or not ({figure_of(decision)}); {d.reason}")
+        r.kept = []
+        r.units = [u for u in r.units if u.pass_name not in names]
+        r.report.final["reason"] = (f"{r.report.final.get('reason', '')}; then superseded: the "
+                                    f"original model compiled ({decision.sites[0]}) runs, "
+                                    f"{figure_of(decision)}").lstrip("; ")
+        for slot in r.cap.slots:
+            slot.set_overlay(None)
+            slot.set_kept(slot.original)
+        if isinstance(r.cap, RegionalCapture):
+            r.cap.lift_for_good()
 
     def steps(self) -> int | None:
         """The run's length the one-time cost is weighed against (None: not weighed)."""
@@ -103,7 +148,8 @@ class CompileGate:
             return r.settings.steps
         return DEFAULT_STEPS if r.settings.compile == "auto" else None
 
-    def _not_worth_compiling(self, ex: Executor, steps: int | None, known: dict | None) -> Decision | None:
+    def _not_worth_compiling(self, ex: Executor, steps: int | None, known: dict | None,
+                             original: bool = False) -> Decision | None:
         """A row saying why compiling is not tried, when its predicted cost cannot be repaid
         within the run even at the best saving there is reason to expect (``known``: the
         knowledge base's entry for this compile); None: try it."""
@@ -114,7 +160,7 @@ class CompileGate:
         known_s = known.get("compile_seconds") if known else None
         # a cold figure, and the cache it was compiled into still holds it: the next is warm
         warm = known_s is not None and not known.get("compile_warm") and _cached(known, cache)
-        nodes = self._nodes()
+        nodes = self._nodes(original)
         cost = predict_compile_seconds(nodes, r.job.training, known_s, warm)
         known_ms = _step_ms(known)
         if known_ms is not None:
@@ -127,16 +173,22 @@ class CompileGate:
         source = ("the knowledge base's figure" + (", warm cache" if warm else "")) if known_s is not None \
             else f"predicted from {nodes} graph nodes"
         return Decision(NAME, False, "not tried",
-                        f"{ex.name}: would not repay within the run ({source}; saving {basis}): "
+                        f"{_label(ex, original)}: would not repay within the run ({source}; saving {basis}): "
                         f"{p.describe()}", scope="step",  # no sites: nothing was compiled
                         measurement={"predicted_compile_seconds": round(cost, 3), "nodes": nodes,
                                      **p.to_dict()})
 
-    def _nodes(self) -> int:
+    def _nodes(self, original: bool = False) -> int:
         """Calls in the graphs the compiler gets: a regional capture's block graphs (one per
         class and signature) when rewrites are kept, else every graph of the model (nothing
-        kept: the original model is compiled, see ``_build``)."""
+        kept: the original model is compiled, see ``_build``); the original model compiled
+        whole beside kept rewrites: every graph as often as it runs in a step (its trace
+        unrolls the blocks)."""
         r = self.run
+        if original:
+            return sum(max(s.calls, 1) * sum(1 for n in s.original.graph.nodes if n.op in
+                                             ("call_function", "call_method", "call_module"))
+                       for s in r.cap.slots if s.calls or s.block is None)
         blocks = [s for s in r.cap.slots if s.block is not None] if r.kept else []
         slots = blocks or list(r.cap.slots)
         graphs = [s.kept_run if r.kept else s.original for s in slots]
@@ -149,17 +201,17 @@ class CompileGate:
             return None
         return use_persistent_cache(self.run.settings.knowledge_base.path)
 
-    def _try(self, ex: Executor, steps: int | None, key: str,
-             known: dict | None) -> tuple[Decision, Callable[..., Any] | None, Executor]:
+    def _try(self, ex: Executor, steps: int | None, key: str, known: dict | None,
+             original: bool = False) -> tuple[Decision, Callable[..., Any] | None, Executor, bool]:
         r = self.run
         cache = self._cache(ex)
         warm = _cached(known, cache)  # this compile loads what an earlier one stored
-        runner, compile_s, problem = self._build(ex)
+        runner, compile_s, problem = self._build(ex, original)
         if problem is not None:
-            return self._failed(ex, "raised", problem), None, ex
+            return self._failed(ex, "raised", problem, original=original), None, ex, original
         ok, detail, err = self._verify(runner)
         if not ok:
-            return self._failed(ex, "failed verification", detail, err), None, ex
+            return self._failed(ex, "failed verification", detail, err, original), None, ex, original
         g = r.settings.gate
         if known is not None:
             keep, reason = known_verdict(known, r.settings.min_speedup, g.noise_widths)
@@ -189,10 +241,10 @@ class CompileGate:
             elif keep:
                 reason = f"{reason}; {p.describe()}"
         d = Decision(NAME, keep, "kept" if keep else "rejected",
-                     f"{ex.name}, whole step: {reason}; first compiled step {compile_s:.1f} s",
+                     f"{_label(ex, original)}, whole step: {reason}; first compiled step {compile_s:.1f} s",
                      speedup=m_dict.get("speedup"), noise=m_dict.get("noise"), max_abs_error=err,
-                     sites=[ex.name], measurement=m_dict, verification=detail, scope="step")
-        return d, runner, ex
+                     sites=[_label(ex, original)], measurement=m_dict, verification=detail, scope="step")
+        return d, runner, ex, original
 
     # --- replaying a plan ----------------------------------------------------------------------
     def replay(self, entry: dict | None) -> None:
@@ -225,11 +277,23 @@ class CompileGate:
         self._install(runner, ex)
 
     # --- parts ---------------------------------------------------------------------------------
-    def _build(self, ex: Executor) -> tuple[Callable[..., Any] | None, float, str | None]:
+    def _build(self, ex: Executor, original: bool = False) -> tuple[Callable[..., Any] | None, float, str | None]:
         """The compiled runner, compiled by one step run through it (its time is the compile
-        time the user pays at the first step)."""
+        time the user pays at the first step). ``original``: the original model compiled whole
+        while the rewrites stay kept (:class:`CompiledOriginal`)."""
         r = self.run
         t0 = time.perf_counter()
+        if original:
+            try:
+                with r._phase("compile"):
+                    runner = CompiledOriginal(r.job.model, r.cap, ex.resolve())
+                    self._step(runner).run()
+            except Exception as e:
+                return None, time.perf_counter() - t0, \
+                    f"{ex.name} raised while compiling the original model: {type(e).__name__}: {e}"
+            finally:
+                r.snapshot.restore()
+            return runner, time.perf_counter() - t0, None
         if not r.kept and isinstance(r.cap, RegionalCapture):
             # nothing kept: the original model is compiled, whole; the installed blocks (opaque
             # to a trace) and the untraced forwards around them are lifted first
@@ -246,16 +310,21 @@ class CompileGate:
         return runner, time.perf_counter() - t0, None
 
     def _step(self, runner: Callable[..., Any]) -> Step:
-        """The composed step (rewrites kept, fused optimizer kept) with the compiled runner."""
+        """The composed step (rewrites kept, fused optimizer kept) with the compiled runner; for
+        the original model compiled, the fused optimizer's step around it (no graph rewrite)."""
         r = self.run
         base = r.composed_step()
         twin = r.fused_opt.twin(r.job.optimizer) if r.fused_opt is not None else None
         inner = r.job.step(runner, optimizer=twin)
+        if isinstance(runner, CompiledOriginal):
+            passes = (("fuse_optimizer",) if r.fused_opt else ()) + (NAME, "original")
+        else:
+            passes = base.passes + (NAME,)
 
         def run() -> None:
             with switched(r.cap.switch, use_candidate=False):
                 inner()
-        return Step(run, base.passes + (NAME,), "compiled")
+        return Step(run, passes, "compiled")
 
     def _verify(self, runner: Callable[..., Any]) -> tuple[bool, str, float | None]:
         """Against the original's numerics, as a composed rewrite is. Dropout is off in the
@@ -280,18 +349,21 @@ class CompileGate:
             c = compare_runs(got, r.reference.values, tol, yardstick=y)
         return c.ok, c.describe(), c.max_abs_error
 
-    def _failed(self, ex: Executor, status: str, reason: str, err: float | None = None) -> Decision:
-        log.warning("rewriter: compile (%s): %s; the eager graphs run", ex.name, reason)
+    def _failed(self, ex: Executor, status: str, reason: str, err: float | None = None,
+                original: bool = False) -> Decision:
+        log.warning("rewriter: compile (%s): %s; the eager graphs run", _label(ex, original), reason)
         return Decision(NAME, False, status, f"{reason}; the eager graphs run", max_abs_error=err,
-                        sites=[ex.name], scope="step")
+                        sites=[_label(ex, original)], scope="step")
 
-    def _key(self, ex: Executor) -> str:
+    def _key(self, ex: Executor, original: bool = False) -> str:
         r = self.run
-        graphs = [structure_signature(s.kept_run) for s in r.cap.slots] if r.kept \
+        rewritten = r.kept and not original
+        graphs = [structure_signature(s.kept_run) for s in r.cap.slots] if rewritten \
             else [structure_signature(s.original) for s in r.cap.slots]
-        text = "|".join([NAME, ex.name, r.job.backend.name, r.job.mode, str(r.job.dtype),
-                         plans.graph_hash(graphs), ",".join(plans.input_signature(r.job.args, r.job.kwargs)),
-                         ",".join(kp.name for kp in r.kept),
+        text = "|".join([NAME, ex.name + (" (original)" if original else ""), r.job.backend.name,
+                         r.job.mode, str(r.job.dtype), plans.graph_hash(graphs),
+                         ",".join(plans.input_signature(r.job.args, r.job.kwargs)),
+                         ",".join(kp.name for kp in r.kept) if rewritten else "",
                          r.fused_opt.description if r.fused_opt else "-"])
         return entry_key(text, r.job.step_knowledge_key())
 
@@ -314,6 +386,15 @@ class CompileGate:
                                         f"the model compiled with {ex.name} runs")
         r.report.final["compiled"] = ex.name
         r.report.notes.append(f"compiled with {ex.name} (gated on the whole step)")
+
+
+def _label(ex: Executor, original: bool) -> str:
+    """A compile candidate's name in the report: the executor, and which model it compiles."""
+    return f"{ex.name} (original model)" if original else ex.name
+
+
+def figure_of(d: Decision) -> str:
+    return f"{d.speedup:.3f}x over the rewritten eager step" if d.speedup else "measured faster"
 
 
 def _step_ms(figures: dict | None) -> float | None:

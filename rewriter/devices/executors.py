@@ -266,6 +266,27 @@ class CompiledForward:
             return self.model(*args, **kwargs)
 
 
+class CompiledOriginal:
+    """The original model compiled whole, beside a capture whose rewrites are kept: the
+    candidate that hands the compiler the model's own code (a rewrite can hide a pattern from
+    it). Under a regional capture each call runs with the installations lifted
+    (:meth:`RegionalCapture.lifted`), so the trace sees every block's own code::
+
+        runner = CompiledOriginal(model, cap, backend)
+        runner(input_ids)          # the compiled original model; the rewritten one is untouched
+    """
+
+    def __init__(self, model: nn.Module, cap: Capture | None, backend: CompilerBackend) -> None:
+        self.fn = inspect.unwrap(torch.compile)(model, backend=backend)
+        self.cap = cap if isinstance(cap, RegionalCapture) else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.cap is None or self.cap.lifted_for_good:
+            return self.fn(*args, **kwargs)
+        with self.cap.lifted():
+            return self.fn(*args, **kwargs)
+
+
 class RegionalCompiled:
     """Regional compile: each block graph compiled once for all its instances (at its first
     compiled run), the graphs around the blocks left as they are (eager, rewritten): those are
