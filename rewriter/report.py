@@ -22,7 +22,7 @@ class Decision:
 
     pass_name: str
     kept: bool
-    status: str  # kept | rejected | no sites | not applicable | failed verification | raised | replayed
+    status: str  # kept | rejected | no sites | not applicable | failed verification | raised | replayed | reverted | superseded (the original model compiled runs instead)
     reason: str
     speedup: float | None = None
     noise: float | None = None

@@ -2,7 +2,10 @@
 
 After the rewrites are decided and confirmed, each executor the device has
 (rewriter.devices.executors) compiles the model as it now runs (the rewritten graphs, else the
-original model). The compiled form is verified like any rewrite (outputs and gradients against
+original model); with graph rewrites kept, also the original model compiled whole, with the
+fused optimizer (``CompiledOriginal``): the compiler is never handed only a worse input than
+the model's own code, and when that form is the faster it runs and the rewrites are superseded.
+The compiled form is verified like any rewrite (outputs and gradients against
 the original's, per-dtype bounds, the float64 yardstick beyond them) and timed against the
 rewritten eager step (training: forward + backward + optimizer step; inference: forward), with
 the same rules as every step-scope decision (:func:`rewriter.decide.gate.decide`: margin, noise, busy
