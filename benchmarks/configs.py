@@ -19,6 +19,7 @@ optimizer, and returns a :class:`Variant` whose ``step()`` runs one step and ret
 ``optimize_bf16_steps20k``  the same with ``dtype=torch.bfloat16``
 ``expert``                the hand-tuned form (``ModelCase.make_expert``), ``AdamW(fused=True)``
 ``expert_autocast``       the same, forward and loss under ``torch.autocast(bfloat16)``
+``compile_expert_autocast``  the same, its model compiled: torch.compile + SDPA + fused AdamW + autocast
 ========================  ========================================================================
 
 Inference (``training=False``): the step is the forward under ``torch.no_grad()``; no optimizer.
@@ -224,10 +225,13 @@ def _optimize_compile(s: Setup) -> Variant:
     return variant
 
 
-def _expert(s: Setup, autocast: bool = False) -> Variant:
+def _expert(s: Setup, autocast: bool = False, compile: bool = False) -> Variant:
     model, inputs = s.case.make_expert(s.model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True) if s.training else None
     notes = [s.case.expert_description + (", AdamW(fused=True)" if s.training else "")]
+    if compile:  # the expert's model compiled (the optimizer built on its parameters first)
+        model = torch.compile(model)
+        notes.append("torch.compile (inductor); compile time: see 'first step s'")
     return Variant(make_step(model, inputs, optimizer=opt, loss_fn=s.case.loss_fn, autocast=autocast),
                    notes=notes)
 
@@ -247,5 +251,7 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
            lambda s: _optimize_for_steps(s, 20_000, torch.bfloat16)),
     Config("expert", "expert", _expert),
     Config("expert_autocast", "expert + autocast bf16", lambda s: _expert(s, autocast=True)),
+    Config("compile_expert_autocast", "torch.compile + expert + autocast bf16",
+           lambda s: _expert(s, autocast=True, compile=True)),
 )}
 CONFIG_NAMES = tuple(CONFIGS)
