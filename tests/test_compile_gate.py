@@ -59,7 +59,7 @@ def _opt(model, inputs, clock, compile, **kw):
 def _compile_row(fast, original=False):
     """The compile row of the rewritten model (or of the original model compiled beside it)."""
     rows = [d for d in fast.report.decisions if d.pass_name == "compile"
-            and any("(original model)" in s for s in d.sites) == original]
+            and any("(original model" in s for s in d.sites) == original]
     assert len(rows) == 1, [(d.pass_name, d.sites) for d in fast.report.decisions]
     return rows[0]
 
@@ -344,8 +344,26 @@ def test_with_dtype_the_compiled_form_is_the_half_precision_graph():
     fast = _opt(model, (x,), ControlledClock({"cast_to_half": 0.5, "compile": 0.5}), backend,
                 passes=["cast_to_half"], dtype=torch.bfloat16, device=Bf16Cpu())
     assert "cast_to_half" in fast.report.kept_passes and _compile_row(fast).kept
-    assert seen and all("bfloat16" in code for code in seen)  # the compiler got the bf16 graph
+    assert seen and "bfloat16" in seen[0]  # the rewritten form, compiled first, is the bf16 graph
+    # the original model compiled runs under autocast(bf16), the precision the pass sets
+    original = _compile_row(fast, original=True)
+    assert original.status in ("kept", "rejected") and original.max_abs_error is not None
     torch.testing.assert_close(fast(x).float(), model(x), rtol=1.6e-2, atol=1e-2)
+
+
+def test_with_dtype_the_original_model_compiled_runs_under_autocast_when_faster():
+    from rewriter.devices.executors import CompiledOriginal
+
+    torch.manual_seed(0)
+    model, x = ReluMLP().eval(), torch.randn(8, 16)
+    fast = _opt(model, (x,), ControlledClock({"cast_to_half": 0.8, "compile": 0.7, "original": 0.5}),
+                FakeCompiler(), passes=["cast_to_half"], dtype=torch.bfloat16, device=Bf16Cpu())
+    assert _compile_row(fast, original=True).kept
+    runner = fast._compiled["original"]
+    assert isinstance(runner, CompiledOriginal) and runner.autocast == ("cpu", torch.bfloat16)
+    out = fast(x)
+    assert out.dtype == torch.bfloat16  # autocast's linear
+    torch.testing.assert_close(out.float(), model(x), rtol=1.6e-2, atol=1e-2)
 
 
 def test_a_short_run_gets_a_quarter_of_its_length_to_decide_in_and_no_report_profile():
@@ -412,7 +430,7 @@ def test_nothing_kept_has_one_compile_candidate_the_original_model(mlp):
     model, x = mlp
     fast = _opt(model, (x,), ControlledClock({"compile": 0.5}), FakeCompiler(), passes=[])
     assert _compile_row(fast).kept
-    assert not [d for d in fast.report.decisions if any("(original model)" in s for s in d.sites)]
+    assert not [d for d in fast.report.decisions if any("(original model" in s for s in d.sites)]
 
 
 def test_a_regional_model_runs_the_original_compiled_with_its_blocks_lifted_for_good():

@@ -35,6 +35,8 @@ import logging
 import time
 from typing import Any, Callable
 
+import torch
+
 from rewriter import plan as plans
 from rewriter.capture.front_ends import DynamoCapture, FxCapture
 from rewriter.capture.ir import structure_signature
@@ -94,7 +96,7 @@ class CompileGate:
                 skip = self._not_worth_compiling(ex, steps, known, original) if choice == "auto" else None
                 if skip is not None:
                     r.report.decisions.append(skip)
-                    log.info("rewriter: compile (%s): not tried: %s", _label(ex, original), skip.reason)
+                    log.info("rewriter: compile (%s): not tried: %s", self._label(ex, original), skip.reason)
                 else:
                     tried.append(self._try(ex, steps, key, known, original))
         kept = [t for t in tried if t[0].kept]
@@ -102,9 +104,9 @@ class CompileGate:
         for d, _, ex, original in tried:
             if best is not None and d.kept and (ex, original) != (best[2], best[3]):
                 d.kept, d.status = False, "rejected"
-                d.reason = f"{_label(best[2], best[3])} is faster still; {d.reason}"
+                d.reason = f"{self._label(best[2], best[3])} is faster still; {d.reason}"
             r.report.decisions.append(d)
-            log.info("rewriter: compile (%s): %s: %s", _label(ex, original), d.status, d.reason)
+            log.info("rewriter: compile (%s): %s: %s", self._label(ex, original), d.status, d.reason)
         if best is not None:
             if best[3]:
                 self._prefer_original(best[0])
@@ -112,15 +114,31 @@ class CompileGate:
         else:
             r.compile_plan = {"executor": found[0].name, "kept": False}
 
+    def _label(self, ex: Executor, original: bool) -> str:
+        """A compile candidate's name in the report: the executor, and which model it compiles."""
+        if not original:
+            return ex.name
+        autocast = self._autocast()
+        return f"{ex.name} (original model" + (f", autocast {str(autocast[1]).split('.')[-1]})"
+                                                if autocast else ")")
+
     def _original_is_a_candidate(self) -> bool:
         """Rewrites are kept (else the original model is what is compiled anyway), none sets the
         precision, and the model is called once a step (a generation's decode calls compile
         through CompiledForward)."""
         r = self.run
         # a precision pass is a rewrite the compiler cannot make: the original model compiled
-        # would run in another precision (not offered until it can carry the precision too)
+        # runs it as autocast (bf16; fp16's loss scaling lives in the rewritten model only)
         return bool(r.kept) and r.job.generation is None and \
-            not any(kp.pass_.sets_precision for kp in r.kept)
+            (self._autocast() is not None or not any(kp.pass_.sets_precision for kp in r.kept))
+
+    def _autocast(self) -> tuple[str, Any] | None:
+        """The precision the kept rewrites set, for the original model compiled: (device type,
+        bf16) under a kept precision pass with ``dtype=torch.bfloat16``, else None."""
+        r = self.run
+        if r.job.dtype is torch.bfloat16 and any(kp.pass_.sets_precision for kp in r.kept):
+            return r.job.backend.name, torch.bfloat16  # "cpu", "cuda", "npu": autocast's device types
+        return None
 
     def _prefer_original(self, decision: Decision) -> None:
         """The original model compiled beat the rewritten one: it runs (with the fused
@@ -176,7 +194,7 @@ class CompileGate:
         source = ("the knowledge base's figure" + (", warm cache" if warm else "")) if known_s is not None \
             else f"predicted from {nodes} graph nodes"
         return Decision(NAME, False, "not tried",
-                        f"{_label(ex, original)}: would not repay within the run ({source}; saving {basis}): "
+                        f"{self._label(ex, original)}: would not repay within the run ({source}; saving {basis}): "
                         f"{p.describe()}", scope="step",  # no sites: nothing was compiled
                         measurement={"predicted_compile_seconds": round(cost, 3), "nodes": nodes,
                                      **p.to_dict()})
@@ -244,9 +262,9 @@ class CompileGate:
             elif keep:
                 reason = f"{reason}; {p.describe()}"
         d = Decision(NAME, keep, "kept" if keep else "rejected",
-                     f"{_label(ex, original)}, whole step: {reason}; first compiled step {compile_s:.1f} s",
+                     f"{self._label(ex, original)}, whole step: {reason}; first compiled step {compile_s:.1f} s",
                      speedup=m_dict.get("speedup"), noise=m_dict.get("noise"), max_abs_error=err,
-                     sites=[_label(ex, original)], measurement=m_dict, verification=detail, scope="step")
+                     sites=[self._label(ex, original)], measurement=m_dict, verification=detail, scope="step")
         return d, runner, ex, original
 
     # --- replaying a plan ----------------------------------------------------------------------
@@ -289,7 +307,7 @@ class CompileGate:
         if original:
             try:
                 with r._phase("compile"):
-                    runner = CompiledOriginal(r.job.model, r.cap, ex.resolve())
+                    runner = CompiledOriginal(r.job.model, r.cap, ex.resolve(), self._autocast())
                     self._step(runner).run()
             except Exception as e:
                 return None, time.perf_counter() - t0, \
@@ -354,9 +372,9 @@ class CompileGate:
 
     def _failed(self, ex: Executor, status: str, reason: str, err: float | None = None,
                 original: bool = False) -> Decision:
-        log.warning("rewriter: compile (%s): %s; the eager graphs run", _label(ex, original), reason)
+        log.warning("rewriter: compile (%s): %s; the eager graphs run", self._label(ex, original), reason)
         return Decision(NAME, False, status, f"{reason}; the eager graphs run", max_abs_error=err,
-                        sites=[_label(ex, original)], scope="step")
+                        sites=[self._label(ex, original)], scope="step")
 
     def _key(self, ex: Executor, original: bool = False) -> str:
         r = self.run
@@ -391,9 +409,6 @@ class CompileGate:
         r.report.notes.append(f"compiled with {ex.name} (gated on the whole step)")
 
 
-def _label(ex: Executor, original: bool) -> str:
-    """A compile candidate's name in the report: the executor, and which model it compiles."""
-    return f"{ex.name} (original model)" if original else ex.name
 
 
 def figure_of(d: Decision) -> str:

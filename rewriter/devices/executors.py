@@ -276,14 +276,19 @@ class CompiledOriginal:
         runner(input_ids)          # the compiled original model; the rewritten one is untouched
     """
 
-    def __init__(self, model: nn.Module, cap: Capture | None, backend: CompilerBackend) -> None:
+    def __init__(self, model: nn.Module, cap: Capture | None, backend: CompilerBackend,
+                 autocast: tuple[str, torch.dtype] | None = None) -> None:
         self.fn = inspect.unwrap(torch.compile)(model, backend=backend)
         self.cap = cap if isinstance(cap, RegionalCapture) else None
+        # (device type, dtype): the precision the rewrites set (cast_to_half), as autocast
+        self.autocast = autocast
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.cap is None or self.cap.lifted_for_good:
-            return self.fn(*args, **kwargs)
-        with self.cap.lifted():
+        with contextlib.ExitStack() as stack:
+            if self.cap is not None and not self.cap.lifted_for_good:
+                stack.enter_context(self.cap.lifted())
+            if self.autocast is not None:
+                stack.enter_context(torch.autocast(self.autocast[0], dtype=self.autocast[1]))
             return self.fn(*args, **kwargs)
 
 
