@@ -150,12 +150,12 @@ class CompileGate:
             if d.pass_name in names and d.kept:
                 d.kept, d.status = False, "superseded"
                 d.reason = (f"superseded: the original model compiled runs, faster than the rewritten "
-                            f"model compiled or not ({figure_of(decision)}); {d.reason}")
+                            f"model compiled or not ({_figure_of(decision)}); {d.reason}")
         r.kept = []
         r.units = [u for u in r.units if u.pass_name not in names]
         r.report.final["reason"] = (f"{r.report.final.get('reason', '')}; then superseded: the "
                                     f"original model compiled ({decision.sites[0]}) runs, "
-                                    f"{figure_of(decision)}").lstrip("; ")
+                                    f"{_figure_of(decision)}").lstrip("; ")
         for slot in r.cap.slots:
             slot.set_overlay(None)
             slot.set_kept(slot.original)
@@ -409,9 +409,8 @@ class CompileGate:
         r.report.notes.append(f"compiled with {ex.name} (gated on the whole step)")
 
 
-
-
-def figure_of(d: Decision) -> str:
+def _figure_of(d: Decision) -> str:
+    """A kept compile row's speedup, in words."""
     return f"{d.speedup:.3f}x over the rewritten eager step" if d.speedup else "measured faster"
 
 
