@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import gc
 import json
 import os
@@ -46,12 +47,13 @@ def _stack():
     return Stack()
 
 
-def _shard(model):
+def _shard(model, root=True):
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.layers:
         fully_shard(layer)
-    fully_shard(model)
+    if root:
+        fully_shard(model)
     return model
 
 
@@ -108,25 +110,27 @@ def _optimize_then_shard(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _shard_then_optimize(rank: int, port: int, out_dir: str) -> None:
+def _shard_then_optimize(rank: int, port: int, out_dir: str, root: bool = True) -> None:
     import rewriter
     from tests.controlled import QUICK, ControlledClock
 
     _join(rank, port)
     try:
         plain = _stack().train()
-        eager = _shard(copy.deepcopy(plain))
-        model = _shard(plain)
-        shards = {n: p.to_local().clone() for n, p in model.named_parameters()}
+        eager = _shard(copy.deepcopy(plain), root)
+        model = _shard(plain, root)
+        local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731
+        shards = {n: local(p).clone() for n, p in model.named_parameters()}
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         clock = ControlledClock({"fuse_attention": 0.5})
         fast, returned = rewriter.optimize(
             model, (torch.randn(2, 16, 32),), optimizer=opt, passes=["fuse_attention"],
             loss_fn=lambda out: out.pow(2).mean(), gate=QUICK, clock=clock, progress=False,
             profile=False, knowledge_base=False, regional=True)
-        untouched = all(torch.equal(p.to_local(), shards[n]) and p.grad is None
+        untouched = all(torch.equal(local(p), shards[n]) and p.grad is None
                         for n, p in model.named_parameters())
-        sharded_again = all(type(p).__name__ == "DTensor" for p in model.parameters())
+        sharded_again = all(type(p).__name__ == "DTensor" for n, p in model.named_parameters()
+                            if root or not n.startswith("head."))  # unsharded head: no root
         cap = fast._outcome.capture
         runs_before = sum(s.runs for s in cap.slots if s.block)
         losses = _train(fast, model, rank)
@@ -187,8 +191,10 @@ def test_optimize_then_fully_shard_runs_the_block_rewrite_on_every_rank(tmp_path
         torch.testing.assert_close(r["losses"], r["eager_losses"], rtol=1e-5, atol=1e-6)
 
 
-def test_fully_shard_then_optimize_decides_on_gathered_parameters_on_every_rank(tmp_path):
-    zero, one = run_ranks(_shard_then_optimize, tmp_path, world=WORLD, join_seconds=JOIN_SECONDS)
+@pytest.mark.parametrize("root", [True, False], ids=["blocks_and_root", "blocks_only"])
+def test_fully_shard_then_optimize_decides_on_gathered_parameters_on_every_rank(tmp_path, root):
+    fn = functools.partial(_shard_then_optimize, root=root)
+    zero, one = run_ranks(fn, tmp_path, world=WORLD, join_seconds=JOIN_SECONDS)
     assert zero["statuses"]["fuse_attention"] == "kept" and zero["clock_calls"] > 0
     assert one["statuses"] == {"fuse_attention": "replayed"} and one["clock_calls"] == 0
     assert zero["kept"] == one["kept"] == ["fuse_attention"]

@@ -53,16 +53,19 @@ def gathered(model: nn.Module) -> Iterator[list[nn.Module]]:
     if not modules:
         yield modules
         return
-    root = modules[0]
-    if root._get_fsdp_state()._state_ctx.iter_forward_root is not None:
+    if any(m._get_fsdp_state()._state_ctx.iter_forward_root is not None for m in modules):
         # the same on every rank, so every rank raises alike: nothing waits on a collective
         raise ValueError(
             "optimize() was called inside a forward of the FSDP2-sharded model (its parameters "
             "are gathered for that forward): call it before or between steps, or optimize() "
             "the model before fully_shard()")
-    # The root decides, at its first forward, not to reshard after forward; make that decision
-    # now, so the settings saved below are the ones FSDP2 would train with.
-    root._get_fsdp_state()._lazy_init()
+    # A root decides, at its first forward, not to reshard after forward; make that decision
+    # now, so the settings saved below are the ones FSDP2 would train with (outermost first: a
+    # root claims the modules inside it; blocks sharded without a sharded root are roots too).
+    for m in modules:
+        if m._get_fsdp_state()._is_root is None:
+            m._get_fsdp_state()._lazy_init()
+    roots = [m for m in modules if m._get_fsdp_state()._is_root]
     saved = [(g, {k: getattr(g, k) for k in _SETTINGS}) for m in modules for g in _groups(m)]
     try:
         for g, _ in saved:
@@ -82,8 +85,9 @@ def gathered(model: nn.Module) -> Iterator[list[nn.Module]]:
         for g, settings in saved:
             for k, v in settings.items():
                 setattr(g, k, v)
-        if hasattr(root, "reset_iter_state"):
-            root.reset_iter_state()  # every group resharded, per-iteration trackers cleared
+        if all(hasattr(r, "reset_iter_state") for r in roots):
+            for r in roots:
+                r.reset_iter_state()  # its groups resharded, per-iteration trackers cleared
         else:  # pragma: no cover - torch before reset_iter_state
             for m in modules:
                 m.reshard()
