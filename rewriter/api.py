@@ -224,16 +224,23 @@ def optimize(
         job = Job(model, args, kwargs, backend, training, None if sharded else optimizer,
                   loss_fn, dtype)
         note = ""
+        # nor the compiler: a compile timed on the gathered parameters is not the sharded step
+        here = dataclasses.replace(settings, compile=False) if sharded else settings
         with _progress_to_stderr(progress), gathered(model):
             if not training:
                 job.generation, note = generation_for(model, args, kwargs, generate,
                                                       backend.rng_states())
             if not distributed.is_multi_rank():
-                outcome = run_pipeline(job, chosen, settings)
+                outcome = run_pipeline(job, chosen, here)
             else:
-                outcome = _run_on_every_rank(job, chosen, settings)
+                outcome = _run_on_every_rank(job, chosen, here)
         if note:
             outcome.report.notes.append(note)
+        if sharded and settings.compile is not False:
+            outcome.report.notes.append(
+                "compile: not tried: the model is sharded by FSDP2, and a compile measured on its "
+                "gathered parameters would not time the sharded step; compile the blocks under "
+                "FSDP2 yourself (fast.compile()) or optimize() before fully_shard()")
         if sharded and optimizer is not None:
             outcome.optimizer = optimizer
             outcome.report.notes.append(sharded_optimizer_note(optimizer))
