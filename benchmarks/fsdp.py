@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
-from benchmarks.measure import isa_text, machine_info
+from benchmarks.measure import command_line, machine_info, write_result
 
 WORLD = 2
 HIDDEN, BATCH, SEQ, VOCAB = 256, 2, 256, 8000
@@ -168,19 +168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for order in ("optimize_then_shard", "shard_then_optimize"):
         _say(order.replace("_", " "))
         result[order] = distributed_run(order, args.layers, args.steps)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fsdp.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "FSDP.md"), "w") as f:
-        f.write(to_markdown(result))
-    print(to_markdown(result))
+    write_result(args.out, "fsdp", result, to_markdown(result))
     return 0
 
 
 def to_markdown(result: dict[str, Any]) -> str:
-    m = result["machine"]
-    lines = [f"`{result['command']}` — {m.get('cpu', '?')} ({isa_text(m)}), {m.get('cpu_count', '?')} cores, "
-             f"torch {m.get('torch', '?')}, {m.get('date', '?')}", "",
+    lines = [command_line(result), "",
              f"LLaMA config, {result['layers']} layers, hidden {HIDDEN}, {BATCH} x {SEQ} tokens a rank, "
              f"fp32 training (AdamW), two gloo ranks of one thread each, {result['steps']} steps.", "",
              "| run | rank | optimize() s | kept | what runs | rewritten block graph runs | max loss diff vs eager FSDP2 |",

@@ -132,3 +132,23 @@ def load_average() -> float | None:
         return round(os.getloadavg()[0], 2)
     except (OSError, AttributeError):
         return None
+
+
+def command_line(result: dict) -> str:
+    """A results file's first line: the command, the machine it ran on, torch, the date."""
+    m = result["machine"]
+    return (f"`{result['command']}` — {m.get('cpu', '?')} ({isa_text(m)}), {m.get('cpu_count', '?')} "
+            f"cores, torch {m.get('torch', '?')}, {m.get('date', '?')}")
+
+
+def write_result(out_dir: str, stem: str, result: dict, markdown: str) -> None:
+    """``<stem>.json`` (every number) and ``<STEM>.md`` (the tables) into ``out_dir``; prints
+    the tables."""
+    import json
+    import os
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out_dir, f"{stem.upper()}.md"), "w") as f:
+        f.write(markdown)
+    print(markdown)

@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.configs import make_step, plain_optimizer
 from benchmarks.decisions import FEWEST_WHOLE_STEPS, _case, timed_optimize
-from benchmarks.measure import isa_text, machine_info
+from benchmarks.measure import command_line, machine_info, write_result
 
 MODEL = "llama"
 
@@ -204,19 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     shallow = min(args.depths)
     result["checkpointing"] = {"off": optimize_run(shallow, "auto", checkpointing=False),
                                "on": optimize_run(shallow, "auto", checkpointing=True)}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "regional.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "REGIONAL.md"), "w") as f:
-        f.write(to_markdown(result))
-    print(to_markdown(result))
+    write_result(args.out, "regional", result, to_markdown(result))
     return 0
 
 
 def to_markdown(result: dict[str, Any]) -> str:
-    m = result["machine"]
-    lines = [f"`{result['command']}` — {m.get('cpu', '?')} ({isa_text(m)}), {m.get('cpu_count', '?')} cores, "
-             f"torch {m.get('torch', '?')}, {m.get('date', '?')}", "",
+    lines = [command_line(result), "",
              f"## Cost against depth ({MODEL} config, fp32 training, afresh, compile=False)", "",
              "| layers | capture | optimize() s | of it capture s | graphs | block graphs | kept | "
              "fixed whole-model runs s (floor) | torch.compile first step s |",

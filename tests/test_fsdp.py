@@ -78,6 +78,25 @@ def _train(run, model, rank):
     return losses
 
 
+def _write(out_dir: str, rank: int, result: dict) -> None:
+    """This rank's result for the test, once every rank has one."""
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+
+
+def _train_both(fast, model, eager, cap, clock, rank) -> dict:
+    """Train through the optimized model, then the eager FSDP2 copy: what was kept, how often
+    the block graphs ran, both losses step by step, the block graphs' code."""
+    runs_before = sum(s.runs for s in cap.slots if s.block)
+    losses = _train(fast, model, rank)
+    runs = sum(s.runs for s in cap.slots if s.block) - runs_before
+    return {"kept": fast.report.kept_passes, "clock_calls": clock.calls,
+            "statuses": {d.pass_name: d.status for d in fast.report.decisions},
+            "block_graph_runs": runs, "losses": losses, "eager_losses": _train(eager, eager, rank),
+            "graph_code": "".join(v for k, v in fast.graph_code().items() if "." in k)}
+
+
 def _optimize_then_shard(rank: int, port: int, out_dir: str) -> None:
     import rewriter
     from tests.controlled import QUICK, ControlledClock
@@ -94,17 +113,8 @@ def _optimize_then_shard(rank: int, port: int, out_dir: str) -> None:
         cap = fast._outcome.capture
         _shard(model)
         _shard(eager)
-        runs_before = sum(s.runs for s in cap.slots if s.block)
-        losses = _train(fast, model, rank)
-        runs = sum(s.runs for s in cap.slots if s.block) - runs_before
-        eager_losses = _train(eager, eager, rank)
-        result = {"kept": fast.report.kept_passes, "clock_calls": clock.calls,
-                  "statuses": {d.pass_name: d.status for d in fast.report.decisions},
-                  "block_graph_runs": runs, "losses": losses, "eager_losses": eager_losses,
-                  "graph_code": "".join(v for k, v in fast.graph_code().items() if "." in k)}
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
+        result = _train_both(fast, model, eager, cap, clock, rank)
+        _write(out_dir, rank, result)
         gc.collect()
     finally:
         dist.destroy_process_group()
@@ -131,21 +141,11 @@ def _shard_then_optimize(rank: int, port: int, out_dir: str, root: bool = True) 
                         for n, p in model.named_parameters())
         sharded_again = all(type(p).__name__ == "DTensor" for n, p in model.named_parameters()
                             if root or not n.startswith("head."))  # unsharded head: no root
-        cap = fast._outcome.capture
-        runs_before = sum(s.runs for s in cap.slots if s.block)
-        losses = _train(fast, model, rank)
-        runs = sum(s.runs for s in cap.slots if s.block) - runs_before
-        eager_losses = _train(eager, eager, rank)
-        result = {"kept": fast.report.kept_passes, "clock_calls": clock.calls,
-                  "statuses": {d.pass_name: d.status for d in fast.report.decisions},
+        result = {**_train_both(fast, model, eager, fast._outcome.capture, clock, rank),
                   "blocks": [(b["class"], b["instances"]) for b in fast.report.blocks],
                   "same_optimizer": returned is opt, "notes": fast.report.notes,
-                  "untouched": untouched, "sharded_again": sharded_again,
-                  "block_graph_runs": runs, "losses": losses, "eager_losses": eager_losses,
-                  "graph_code": "".join(v for k, v in fast.graph_code().items() if "." in k)}
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
+                  "untouched": untouched, "sharded_again": sharded_again}
+        _write(out_dir, rank, result)
         gc.collect()
     finally:
         dist.destroy_process_group()
@@ -169,10 +169,8 @@ def _optimize_inside_a_sharded_forward(rank: int, port: int, out_dir: str) -> No
                 errors.append(str(e))
         model.register_forward_pre_hook(optimize_now)
         losses = _train(model, model, rank)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"errors": errors, "losses": losses,
-                       "eager_losses": _train(eager, eager, rank)}, f)
-        dist.barrier()
+        _write(out_dir, rank, {"errors": errors, "losses": losses,
+                       "eager_losses": _train(eager, eager, rank)})
     finally:
         dist.destroy_process_group()
 
