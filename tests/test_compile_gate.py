@@ -433,20 +433,22 @@ def test_nothing_kept_has_one_compile_candidate_the_original_model(mlp):
     assert not [d for d in fast.report.decisions if any("(original model" in s for s in d.sites)]
 
 
-def test_a_regional_model_runs_the_original_compiled_with_its_blocks_lifted_for_good():
+def test_a_regional_model_runs_the_original_compiled_with_its_blocks_lifted_for_good(monkeypatch):
     """Regional capture: the original model is compiled with the installed blocks lifted (its
     trace sees each block's own code), measured beside the rewritten step, and, kept, runs; the
-    blocks then run their own forward when called directly, and restore() undoes everything."""
+    blocks then run their own forward when called directly, and restore() undoes everything.
+    Its compile grows with depth, so it is weighed against ``steps`` (here predicted cheap)."""
     from rewriter.capture.install import FLAG
     from tests.test_regional import Block, Stack
 
+    monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a: 1e-3)
     torch.manual_seed(0)
     model, x = Stack(n=3).eval(), torch.randn(8, 16)
     with torch.no_grad():
         want = model(x)
     fake = FakeCompiler()
     fast = _opt(model, (x,), ControlledClock({"a": 0.8, "compile": 0.7, "original": 0.5}), fake,
-                passes=[RewriteRelu("a")], regional=True)
+                passes=[RewriteRelu("a")], regional=True, steps=100_000)
     assert fast.report.front_end == "regional" and _compile_row(fast, original=True).kept
     assert not any(FLAG in b.__dict__ for b in model.blocks)  # lifted: traced as their own code
     with torch.no_grad():
@@ -458,3 +460,17 @@ def test_a_regional_model_runs_the_original_compiled_with_its_blocks_lifted_for_
     assert "forward" not in Block.__dict__ or Block.forward.__name__ == "forward"
     with torch.no_grad():
         torch.testing.assert_close(fast(x), want)
+
+
+def test_a_regional_model_asked_to_compile_without_steps_compiles_its_blocks_only():
+    """The blocks compile once whatever the depth; the whole original model's compile grows
+    with it and is not paid without a run's length to weigh it against."""
+    from tests.test_regional import Stack
+
+    torch.manual_seed(0)
+    model, x = Stack(n=3).eval(), torch.randn(8, 16)
+    fast = _opt(model, (x,), ControlledClock({"a": 0.8, "compile": 0.7, "original": 0.5}),
+                FakeCompiler(), passes=[RewriteRelu("a")], regional=True)
+    assert _compile_row(fast).kept
+    assert not [d for d in fast.report.decisions if any("(original model" in s for s in d.sites)]
+    fast.restore()

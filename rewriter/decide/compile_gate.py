@@ -93,7 +93,10 @@ class CompileGate:
             for original in forms:
                 key = self._key(ex, original)
                 known = r.settings.knowledge_base.get(key)
-                skip = self._not_worth_compiling(ex, steps, known, original) if choice == "auto" else None
+                # the whole original model's compile grows with depth: weighed whenever the
+                # run's length is known, even when compiling was asked for
+                weigh = choice == "auto" or (original and r.settings.steps is not None)
+                skip = self._not_worth_compiling(ex, steps, known, original) if weigh else None
                 if skip is not None:
                     r.report.decisions.append(skip)
                     log.info("rewriter: compile (%s): not tried: %s", self._label(ex, original), skip.reason)
@@ -123,10 +126,15 @@ class CompileGate:
                                                 if autocast else ")")
 
     def _original_is_a_candidate(self) -> bool:
-        """Rewrites are kept (else the original model is what is compiled anyway), none sets the
-        precision, and the model is called once a step (a generation's decode calls compile
-        through CompiledForward)."""
+        """Rewrites are kept (else the original model is what is compiled anyway), a kept
+        precision can be run as autocast, the model is called once a step (a generation's
+        decode calls compile through CompiledForward), and, under a regional capture, the
+        whole model's compile can be weighed against the run (``compile="auto"`` or ``steps``)."""
         r = self.run
+        if isinstance(r.cap, RegionalCapture) and r.settings.compile != "auto" and r.settings.steps is None:
+            # asked to compile, the run's length unknown: the blocks are compiled once whatever
+            # the depth; the whole model's compile, which grows with it, is not paid unweighed
+            return False
         # a precision pass is a rewrite the compiler cannot make: the original model compiled
         # runs it as autocast (bf16; fp16's loss scaling lives in the rewritten model only)
         return bool(r.kept) and r.job.generation is None and \
