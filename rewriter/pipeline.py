@@ -166,9 +166,10 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
                 (s.overlay is not None) if kp.pass_.sets_precision else
                 apply_kept(s.original, kp, self.ctx, s.name) is not None for s in slots)]
         self.report.blocks = rows
+        blocks_compiled = bool(outcome.compiled and "dynamo" in outcome.compiled)
         if cap.lifted_for_good:
             pass  # the compiled original model runs, guarded against the class patches as they are
-        elif outcome.use_original or not any(r["rewritten"] for r in rows):
+        elif outcome.use_original or not (any(r["rewritten"] for r in rows) or blocks_compiled):
             cap.remove()
         else:
             cap.engage()
@@ -242,8 +243,10 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
         self.report.optimize_seconds = time.perf_counter() - self.started
         log.info("rewriter: done in %.1f s: %s", self.report.optimize_seconds,
                  self.report.final.get("reason", ""))
-        return Outcome(self.report, self.cap, list(self.kept), not self.kept, self.ctx, optimizer,
-                       loss_scale, self.compiled)
+        # the original blocks compiled (nothing rewritten) run through the capture too
+        blocks_compiled = bool(self.compiled and "dynamo" in self.compiled)
+        return Outcome(self.report, self.cap, list(self.kept), not self.kept and not blocks_compiled,
+                       self.ctx, optimizer, loss_scale, self.compiled)
 
     def _capture_failed(self, e: CaptureError) -> Outcome:
         self.report.front_end_reason = str(e)

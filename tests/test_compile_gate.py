@@ -474,3 +474,27 @@ def test_a_regional_model_asked_to_compile_without_steps_compiles_its_blocks_onl
     assert _compile_row(fast).kept
     assert not [d for d in fast.report.decisions if any("(original model" in s for s in d.sites)]
     fast.restore()
+
+
+def test_a_regional_model_with_nothing_rewritten_compiles_each_block_graph_once():
+    """Nothing rewritten kept: the compiled form of a regional capture is still the blocks'
+    (each block's own graph compiled once for every instance), so the compile does not grow
+    with depth; it runs through the installed blocks after optimize()."""
+    from tests.test_regional import Stack
+
+    torch.manual_seed(0)
+    model, x = Stack(n=4).eval(), torch.randn(8, 16)
+    with torch.no_grad():
+        want = model(x)
+    fake = FakeCompiler()
+    fast = _opt(model, (x,), ControlledClock({"compile": 0.5}), fake, passes=[], regional=True)
+    row = _compile_row(fast)
+    assert row.kept and fast.report.kept_passes == ["compile"] and "dynamo" in fast._compiled
+    assert not [d for d in fast.report.decisions if any("(original model" in s for s in d.sites)]
+    block_graphs = [s for s in fast._outcome.capture.slots if s.block is not None]
+    assert block_graphs and fake.compiles == len(block_graphs)  # once, not once per layer
+    with torch.no_grad():
+        before = fake.calls
+        torch.testing.assert_close(fast(x), want)
+        assert fake.calls - before == 4  # every layer ran the one compiled block graph
+    fast.restore()

@@ -51,6 +51,7 @@ from rewriter.devices.compile_cache import cache_folder, is_warm, use_persistent
 from rewriter.devices.executors import (
     CompiledOriginal,
     Executor,
+    RegionalCompiled,
     compiled_runner,
     executors_for,
     has_dropout,
@@ -125,6 +126,14 @@ class CompileGate:
         return f"{ex.name} (original model" + (f", autocast {str(autocast[1]).split('.')[-1]})"
                                                 if autocast else ")")
 
+    def _blocks_form(self) -> bool:
+        """Nothing rewritten kept under a regional capture (training, or one call a step): the
+        compiled form is still the blocks', each block's own graph compiled once for all its
+        instances, so the compile does not grow with depth (the whole model's is the other
+        candidate, :meth:`_original_is_a_candidate`)."""
+        r = self.run
+        return not r.kept and isinstance(r.cap, RegionalCapture) and r.job.generation is None
+
     def _original_is_a_candidate(self) -> bool:
         """Rewrites are kept (else the original model is what is compiled anyway), a kept
         precision can be run as autocast, the model is called once a step (a generation's
@@ -135,6 +144,8 @@ class CompileGate:
             # asked to compile, the run's length unknown: the blocks are compiled once whatever
             # the depth; the whole model's compile, which grows with it, is not paid unweighed
             return False
+        if self._blocks_form():
+            return True
         # a precision pass is a rewrite the compiler cannot make: the original model compiled
         # runs it as autocast (bf16; fp16's loss scaling lives in the rewritten model only)
         return bool(r.kept) and r.job.generation is None and \
@@ -218,7 +229,8 @@ class CompileGate:
             return sum(max(s.calls, 1) * sum(1 for n in s.original.graph.nodes if n.op in
                                              ("call_function", "call_method", "call_module"))
                        for s in r.cap.slots if s.calls or s.block is None)
-        blocks = [s for s in r.cap.slots if s.block is not None] if r.kept else []
+        blocks = [s for s in r.cap.slots if s.block is not None] \
+            if r.kept or self._blocks_form() else []
         slots = blocks or list(r.cap.slots)
         graphs = [s.kept_run if r.kept else s.original for s in slots]
         return sum(1 for g in graphs for n in g.graph.nodes
@@ -291,7 +303,8 @@ class CompileGate:
                                                "; ".join(declined), scope="step"))
             return
         ex = found[0]
-        runner, compile_s, problem = self._build(ex)
+        original = entry.get("form") == "original" and self._original_is_a_candidate()
+        runner, compile_s, problem = self._build(ex, original)
         if problem is not None:
             r.report.decisions.append(self._failed(ex, "raised", problem))
             return
@@ -303,6 +316,8 @@ class CompileGate:
             NAME, True, "replayed", f"{ex.name}: from plan, not measured; first compiled step "
             f"{compile_s:.1f} s", max_abs_error=err, sites=[ex.name],
             measurement={"compile_seconds": round(compile_s, 3)}, verification=detail, scope="step"))
+        if original and isinstance(r.cap, RegionalCapture):
+            r.cap.lift_for_good()
         self._install(runner, ex)
 
     # --- parts ---------------------------------------------------------------------------------
@@ -323,14 +338,16 @@ class CompileGate:
             finally:
                 r.snapshot.restore()
             return runner, time.perf_counter() - t0, None
-        if not r.kept and isinstance(r.cap, RegionalCapture):
-            # nothing kept: the original model is compiled, whole; the installed blocks (opaque
-            # to a trace) and the untraced forwards around them are lifted first
+        blocks = self._blocks_form()
+        if not r.kept and not blocks and isinstance(r.cap, RegionalCapture):
+            # nothing kept, a generation: the original model's forward is compiled, whole; the
+            # installed blocks (opaque to a trace) and the untraced forwards are lifted first
             r.cap.remove()
         try:
             with r._phase("compile"):
-                runner = compiled_runner(r.job.model, r.cap if r.kept else None, ex.resolve(),
-                                         r._on_new_graph, generation=r.job.generation is not None)
+                runner = compiled_runner(r.job.model, r.cap if r.kept or blocks else None,
+                                         ex.resolve(), r._on_new_graph,
+                                         generation=r.job.generation is not None)
                 self._step(runner).run()
         except Exception as e:  # the backend raised: the eager graphs run
             return None, time.perf_counter() - t0, f"{ex.name} raised while compiling: {type(e).__name__}: {e}"
@@ -389,7 +406,8 @@ class CompileGate:
         rewritten = r.kept and not original
         graphs = [structure_signature(s.kept_run) for s in r.cap.slots] if rewritten \
             else [structure_signature(s.original) for s in r.cap.slots]
-        text = "|".join([NAME, ex.name + (" (original)" if original else ""), r.job.backend.name,
+        form = " (original)" if original else " (blocks)" if self._blocks_form() else ""
+        text = "|".join([NAME, ex.name + form, r.job.backend.name,
                          r.job.mode, str(r.job.dtype), plans.graph_hash(graphs),
                          ",".join(plans.input_signature(r.job.args, r.job.kwargs)),
                          ",".join(kp.name for kp in r.kept) if rewritten else "",
@@ -399,7 +417,7 @@ class CompileGate:
     def _install(self, runner: Callable[..., Any], ex: Executor) -> None:
         """What the wrapper runs from now on (OptimizedModel's ``_compiled`` layout)."""
         r = self.run
-        if not r.kept:
+        if not r.kept and not isinstance(runner, RegionalCompiled):
             r.compiled = {"original": runner}
         elif isinstance(r.cap, DynamoCapture):
             r.compiled = {"dynamo": runner}
@@ -409,6 +427,8 @@ class CompileGate:
             r.cap.slots[0].compiled = runner.fn  # the capture now runs the compiled graph
             r.compiled = {"fx": ex.resolve()}
         r.compile_plan = {"executor": ex.name, "kept": True}
+        if isinstance(runner, CompiledOriginal):
+            r.compile_plan["form"] = "original"
         if not r.report.final.get("kept"):  # no rewrite kept: the original model, compiled, runs
             r.report.final["kept"] = True
             r.report.final["reason"] = (f"{r.report.final.get('reason', 'no rewrite was kept')}; "
