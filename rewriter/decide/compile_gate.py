@@ -303,7 +303,8 @@ class CompileGate:
                                                "; ".join(declined), scope="step"))
             return
         ex = found[0]
-        original = entry.get("form") == "original" and self._original_is_a_candidate()
+        # the form the plan kept (what was measured), whatever would be offered afresh
+        original = entry.get("form") == "original" and r.job.generation is None
         runner, compile_s, problem = self._build(ex, original)
         if problem is not None:
             r.report.decisions.append(self._failed(ex, "raised", problem))
