@@ -102,6 +102,12 @@ class Outcome:
     loss_scale: amp.DynamicLossScale | None = None  # fp16 training: scales gradients from outputs
     compiled: dict | None = None  # the kept compiled form, in OptimizedModel's _compiled layout
 
+    @property
+    def blocks_compiled(self) -> bool:
+        """The compiled form runs through the capture (a Dynamo/regional capture's graphs or
+        blocks compiled), also with nothing rewritten kept."""
+        return bool(self.compiled and "dynamo" in self.compiled)
+
     def fall_back_to_original(self, reason: str) -> None:
         """From now on the original model runs (e.g. hooks changed after optimize())."""
         self.use_original = True
@@ -166,10 +172,9 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
                 (s.overlay is not None) if kp.pass_.sets_precision else
                 apply_kept(s.original, kp, self.ctx, s.name) is not None for s in slots)]
         self.report.blocks = rows
-        blocks_compiled = bool(outcome.compiled and "dynamo" in outcome.compiled)
         if cap.lifted_for_good:
             pass  # the compiled original model runs, guarded against the class patches as they are
-        elif outcome.use_original or not (any(r["rewritten"] for r in rows) or blocks_compiled):
+        elif outcome.use_original or not (any(r["rewritten"] for r in rows) or outcome.blocks_compiled):
             cap.remove()
         else:
             cap.engage()
@@ -243,10 +248,11 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
         self.report.optimize_seconds = time.perf_counter() - self.started
         log.info("rewriter: done in %.1f s: %s", self.report.optimize_seconds,
                  self.report.final.get("reason", ""))
+        outcome = Outcome(self.report, self.cap, list(self.kept), not self.kept, self.ctx, optimizer,
+                          loss_scale, self.compiled)
         # the original blocks compiled (nothing rewritten) run through the capture too
-        blocks_compiled = bool(self.compiled and "dynamo" in self.compiled)
-        return Outcome(self.report, self.cap, list(self.kept), not self.kept and not blocks_compiled,
-                       self.ctx, optimizer, loss_scale, self.compiled)
+        outcome.use_original = outcome.use_original and not outcome.blocks_compiled
+        return outcome
 
     def _capture_failed(self, e: CaptureError) -> Outcome:
         self.report.front_end_reason = str(e)

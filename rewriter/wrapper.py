@@ -77,9 +77,8 @@ class OptimizedModel(nn.Module):
                                           "off; the original model runs")
         self.__dict__["_compiled"] = None  # nor a compiled form of it
         removed = _restore(self.__dict__["_model"])
-        capture = getattr(outcome, "capture", None)
-        if hasattr(capture, "remove") and getattr(capture, "front_end", "") == "regional":
-            capture.remove()  # and Dynamo traces the forwards that call the blocks again
+        if outcome is not None and isinstance(outcome.capture, RegionalCapture):
+            outcome.capture.remove()  # and Dynamo traces the forwards that call the blocks again
         return removed
 
     def graph_code(self) -> dict[str, str]:

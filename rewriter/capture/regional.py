@@ -144,13 +144,7 @@ class RegionalCapture(DynamoCapture):
         instances' calls are not opaque (their flag is off) and the forwards that call them are
         inlined again; the installations stay (a compile of the original model, measured
         beside the rewritten one, is traced and guarded in this state)."""
-        flagged = [m for inst in self.installations for m in inst.instances() if FLAG in m.__dict__]
-        marked = [(h, f) for ref, f in self._not_inlined if (h := ref()) is not None
-                  and h.__dict__.get("forward") is f]
-        for m in flagged:
-            del m.__dict__[FLAG]
-        for h, _ in marked:
-            del h.__dict__["forward"]
+        flagged, marked = self._lift()
         try:
             yield
         finally:
@@ -165,11 +159,21 @@ class RegionalCapture(DynamoCapture):
         own forward)."""
         for inst in self.installations:
             inst.engaged = False
-            for m in inst.instances():
-                m.__dict__.pop(FLAG, None)
-        _drop_forwards(self._not_inlined)
+        self._lift()
         self._not_inlined.clear()
         self.lifted_for_good = True
+
+    def _lift(self) -> tuple[list[nn.Module], list[tuple[nn.Module, Any]]]:
+        """Turn the registered instances' flags off and take the not-inlined forwards off their
+        holders; returns what was changed (instances, (holder, forward)) to put back."""
+        flagged = [m for inst in self.installations for m in inst.instances() if FLAG in m.__dict__]
+        marked = [(h, f) for ref, f in self._not_inlined if (h := ref()) is not None
+                  and h.__dict__.get("forward") is f]
+        for m in flagged:
+            del m.__dict__[FLAG]
+        for h, _ in marked:
+            del h.__dict__["forward"]
+        return flagged, marked
 
     def block_rows(self) -> list[dict]:
         """Per block class: instances, the graphs that run for it, and its nodes (the report)."""

@@ -170,14 +170,11 @@ class CompileGate:
                 d.kept, d.status = False, "superseded"
                 d.reason = (f"superseded: the original model compiled runs, faster than the rewritten "
                             f"model compiled or not ({_figure_of(decision)}); {d.reason}")
-        r.kept = []
         r.units = [u for u in r.units if u.pass_name not in names]
         r.report.final["reason"] = (f"{r.report.final.get('reason', '')}; then superseded: the "
                                     f"original model compiled ({decision.sites[0]}) runs, "
                                     f"{_figure_of(decision)}").lstrip("; ")
-        for slot in r.cap.slots:
-            slot.set_overlay(None)
-            slot.set_kept(slot.original)
+        r.rebuild([])  # nothing kept: every slot back to its original graph
         if isinstance(r.cap, RegionalCapture):
             r.cap.lift_for_good()
 
