@@ -175,7 +175,8 @@ def _optimize_inside_a_sharded_forward(rank: int, port: int, out_dir: str) -> No
         dist.destroy_process_group()
 
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in"),
+              pytest.mark.timeout(JOIN_SECONDS + 60)]  # beside run_ranks' own join deadline
 
 
 def test_optimize_then_fully_shard_runs_the_block_rewrite_on_every_rank(tmp_path):

@@ -256,6 +256,7 @@ def test_a_forward_hook_on_a_block_runs_at_every_call_while_the_rewrite_runs(whe
     torch.testing.assert_close(fired[-1], want)
 
 
+@pytest.mark.timeout(300)  # wraps an engine (checkpointing): a hang fails the test
 def test_torch_checkpoint_around_a_block_runs_the_rewrite_in_forward_and_recompute():
     torch.manual_seed(0)
     plain, ckpt = Stack(n=3), Stack(n=3, checkpointed=True)

@@ -36,6 +36,7 @@ def block_runs(monkeypatch):
     return runs
 
 
+@pytest.mark.timeout(300)  # wraps an engine (checkpointing): a hang fails the test
 def test_gradient_checkpointing_finds_and_keeps_the_same_sites_and_the_loss_is_unchanged(block_runs):
     found = {}
     for ckpt in (False, True):
