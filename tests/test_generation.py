@@ -259,6 +259,9 @@ def test_a_kept_compile_of_the_original_model_serves_generate_and_new_lengths_wi
     assert row.kept and fast.report.final["compiled"] == "counting", row.reason
     assert not fast.report.kept_passes[:-1] and "forward" not in model.__dict__
     compiles = backend.compiles
+    # one graph for the prefill and one for every decode call: the first decode call (the
+    # prefill's cache layout) is not a graph of its own
+    assert compiles == 2, compiles
     backend.runs = 0
     got = _greedy(fast, prompt, 6)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -314,3 +317,35 @@ def test_regions_that_cannot_pay_for_the_installed_graphs_are_reverted(installed
         assert "less than the" in r.final["reason"] and "installed graphs cost" in r.final["reason"]
         assert any("before any rewrite" in n for n in r.notes)
     fast.restore()
+
+
+def test_a_compiled_forward_gets_the_dynamic_cache_contiguous_and_its_values_unchanged():
+    """The compiled prefill leaves the cache in its projections' layout (heads before
+    positions), a decode call leaves it contiguous; CompiledForward shows its compiled forward the cache
+    contiguous, so the first decode call is not a graph of its own (with Inductor: 3 -> 2 graphs
+    for a generate, Qwen2). Other cache layers keep their tensors."""
+    from transformers.cache_utils import DynamicCache
+
+    from rewriter.devices.executors import contiguous_cache
+    keys = torch.randn(1, 5, 2, 16).transpose(1, 2)  # [batch, heads, positions, dim], as projected
+    values = torch.randn(1, 5, 2, 16).transpose(1, 2)
+    cache = DynamicCache()
+    cache.update(keys, values, 0)
+    # as the prefill compiled by Inductor leaves them (eager's first update copies them)
+    cache.layers[0].keys, cache.layers[0].values = keys, values
+    contiguous_cache(cache)
+    layer = cache.layers[0]
+    assert layer.keys.is_contiguous() and layer.values.is_contiguous()
+    torch.testing.assert_close(layer.keys, keys, rtol=0, atol=0)
+    torch.testing.assert_close(layer.values, values, rtol=0, atol=0)
+
+    class OtherLayer(type(layer)):  # a subclass (sliding window, quantized) is left alone
+        pass
+    other = DynamicCache()
+    other.update(keys, values, 0)
+    other.layers[0].keys = keys
+    other.layers[0].__class__ = OtherLayer
+    contiguous_cache(other)
+    assert other.layers[0].keys is keys
+    contiguous_cache(keys)  # not a cache: nothing happens
+    assert not keys.is_contiguous()

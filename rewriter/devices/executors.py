@@ -27,10 +27,12 @@ a fake compiler this way).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -252,11 +254,23 @@ class CompiledForward:
 
     ``dynamic=True``: one graph for the prefill and one for a decode call, whatever the lengths
     (Dynamo specializes sizes 0 and 1 only), so a new prompt length does not compile again.
+    The cache the prefill leaves is laid out as its projections were (heads before positions in
+    memory), the one a decode call leaves is contiguous: each call gets the cache contiguous
+    (:func:`contiguous_cache`), so the first decode call is not a third graph (a whole-model
+    compile of its own: 3 -> 2 graphs, Qwen2 3 layers).
     """
 
     def __init__(self, model: nn.Module, backend: CompilerBackend) -> None:
         self.model = model
-        self.fn = inspect.unwrap(torch.compile)(model.forward, backend=backend, dynamic=True)
+        compiled = inspect.unwrap(torch.compile)(model.forward, backend=backend, dynamic=True)
+
+        # forward's own signature: generate() reads it to choose the arguments it passes
+        @functools.wraps(model.forward)
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            for value in kwargs.values():
+                contiguous_cache(value)
+            return compiled(*args, **kwargs)
+        self.fn = fn
 
     def in_place(self) -> contextlib.AbstractContextManager[None]:
         return forward_in_place(self.model, self.fn)
@@ -264,6 +278,22 @@ class CompiledForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.in_place():
             return self.model(*args, **kwargs)
+
+
+def contiguous_cache(cache: Any) -> None:
+    """Make the keys and values of a transformers ``DynamicCache`` contiguous, in place of the
+    layer's tensors (the same values; the cache's next ``torch.cat`` makes them contiguous
+    anyway). Anything else, other cache layers included, is left as it is."""
+    layer_cls = getattr(sys.modules.get("transformers.cache_utils"), "DynamicLayer", None)
+    if layer_cls is None:
+        return
+    for layer in getattr(cache, "layers", None) or ():
+        if type(layer) is not layer_cls:  # sliding-window and quantized layers keep their form
+            continue
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor) and t.numel() and not t.is_contiguous():
+                setattr(layer, name, t.contiguous())
 
 
 class CompiledOriginal:
