@@ -73,6 +73,19 @@ def _confirm(self: Confirmation) -> bool:
                           "reason": "the composed model failed verification: " + "; ".join(self.reverted)}
         return False
     widths = r.settings.gate.noise_widths
+    most = _most_saved(r)
+    if r.dispatch_ms > 0 and r.fused_opt is None and most is not None and most < r.dispatch_ms:
+        # the regions' own evidence, at its best, cannot pay for the installed graphs: a step
+        # check (two of them when it reads slower, then one per reverted region) could only
+        # show what the two measurements already say
+        for unit in list(r.units):
+            _revert(self, unit)
+        r.report.final = {"kept": False, "reverted": list(self.reverted),
+                          "reason": f"the kept regions save at most {most:.2f} ms a step (their "
+                          f"measurements' upper bounds), less than the {r.dispatch_ms:.2f} ms the "
+                          "blocks' installed graphs cost: every kept decision was reverted "
+                          f"({', '.join(self.reverted)}) without a step check"}
+        return False
     key = r.confirmation_key() if r.settings.objective == "time" else None
     known = _known(r, key)
     if known:
@@ -202,6 +215,22 @@ def _net_prediction(r: RunView) -> float:
     (``dispatch_ms``: measured for a regional generation, else 0)."""
     saved = sum(u.saved_ms for u in r.units if u.saved_ms and math.isfinite(u.saved_ms))
     return saved - r.dispatch_ms
+
+
+def _most_saved(r: RunView) -> float | None:
+    """The most the kept regions can save a step, in ms, by their own measurements: each at the
+    upper end of its speedup's noise (None: a kept decision without a region figure)."""
+    if not r.units:
+        return None
+    total = 0.0
+    widths = r.settings.gate.noise_widths
+    for u in r.units:
+        if u.signature is None or not u.saved_ms or not math.isfinite(u.saved_ms) \
+                or u.speedup is None or u.noise is None or not math.isfinite(u.noise) or u.speedup <= 1.0:
+            return None
+        before = u.saved_ms / (1 - 1 / u.speedup)  # the sites' original ms a step
+        total += before * (1 - 1 / (u.speedup + widths * u.noise))
+    return total
 
 
 def _floor(r: RunView) -> float:
