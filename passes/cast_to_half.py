@@ -7,7 +7,9 @@ attention, ...) to take its floating inputs in the half dtype, and each operator
     y = F.linear(x, w, b)          ->  y = F.linear(x.to(bf16), w.to(bf16), b.to(bf16))
     p = F.softmax(s, -1)           ->  p = F.softmax(s.to(float32), -1)     (s was half)
 
-Everything else runs in whatever its inputs are (type promotion, as autocast does). A tensor
+Everything else runs in whatever its inputs are (type promotion, as autocast does). In
+inference a model tensor (a weight) is cast once, not at every call
+(``rewriter.devices.weight_casts.WeightCast``: ``w16 = self.rewriter_weight_cast_bfloat16(w)``). A tensor
 is cast at most once per dtype (``w.to(bf16)`` is shared by every user of ``w``), so the
 rewritten graph's code shows each cast exactly where it happens; a cast of a tensor that
 already has the dtype costs nothing at run time (``Tensor.to`` returns it). The lists are the user's to
@@ -22,8 +24,9 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from rewriter.capture.ir import mark_new_node, tensor_info
+from rewriter.capture.ir import mark_new_node, reads_model_tensor, tensor_info
 from rewriter.devices import amp
+from rewriter.devices.weight_casts import WeightCast
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 
@@ -64,6 +67,7 @@ class CastToHalf(Pass):
     name = "cast_to_half"
     scope = "step"  # the precision of the whole graph: measured on the whole step
     sets_precision = True
+    version = 2  # 2: inference casts model tensors once (WeightCast)
     contract = "reduced"
     devices = frozenset({"cpu", "cuda", "npu"})
 
@@ -103,12 +107,23 @@ class CastToHalf(Pass):
                 key = (value, want)
                 if key not in made:  # one cast per tensor and dtype
                     with g.inserting_after(_after_placeholders(g) if value.op == "placeholder" else value):
-                        made[key] = mark_new_node(g.call_method("to", (value, want)), self.name)
+                        made[key] = mark_new_node(_cast(gm, value, want, ctx), self.name)
                 cast = made[key]
                 node.args = _replace(node.args, value, cast)
                 node.kwargs = {k: _replace(v, value, cast) if isinstance(v, (list, tuple)) else
                                (cast if v is value else v) for k, v in node.kwargs.items()}
             node.meta["rewriter_pass"] = self.name
+
+
+def _cast(gm: GraphModule, value: Node, want: torch.dtype, ctx: PassContext) -> Node:
+    """``value.to(want)``; in inference, a model tensor to a half dtype goes through a
+    :class:`~rewriter.devices.weight_casts.WeightCast` (cast once, not at every call)."""
+    if ctx.training or want == torch.float32 or not reads_model_tensor(value):
+        return gm.graph.call_method("to", (value, want))
+    name = f"rewriter_weight_cast_{str(want).replace('torch.', '')}"
+    if not isinstance(getattr(gm, name, None), WeightCast):
+        gm.add_submodule(name, WeightCast(want))
+    return gm.graph.call_module(name, (value,))
 
 
 def _after_placeholders(g: object) -> Node:

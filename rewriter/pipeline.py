@@ -51,6 +51,7 @@ from rewriter.decide.replay import PlanReplay, replay_on_slot
 from rewriter.decide.state import preserved_state
 from rewriter.decide.step import StepDecisions
 from rewriter.devices import amp, optimizers
+from rewriter.devices.weight_casts import WeightCast
 from rewriter.errors import CaptureError
 from rewriter.pass_api import Pass, PassContext
 from rewriter.profile.advisor import advise
@@ -245,6 +246,12 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
                 f"objective='memory': {', '.join(dropped)} returns None for outputs the loss alone "
                 "needed (a causal LM's logits): the loss and gradients are unchanged; use "
                 "objective='time' where the caller reads them")
+        held = _weight_copies_bytes(self.cap.slots) if self.kept else 0
+        if held:
+            self.report.notes.append(
+                f"inference: cast_to_half holds a {str(self.job.dtype).replace('torch.', '')} copy "
+                f"of each weight it casts ({_size(held)} beside the model's own weights), "
+                "made at the first call and reused while the weight is unchanged")
         self.report.optimize_seconds = time.perf_counter() - self.started
         log.info("rewriter: done in %.1f s: %s", self.report.optimize_seconds,
                  self.report.final.get("reason", ""))
@@ -540,3 +547,14 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
 
 
 REPORT_PROFILE = ProfileSettings(wait=0, warmup=1, active=1)
+
+
+def _weight_copies_bytes(slots: list[Any]) -> int:
+    """Bytes the kept graphs' weight casts hold (rewriter.devices.weight_casts; inference)."""
+    found = {id(m): m for slot in slots for gm in (slot.kept, slot.kept_run)
+             for m in gm.modules() if isinstance(m, WeightCast)}
+    return sum(m.cached_bytes() for m in found.values())
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"

@@ -69,9 +69,82 @@ def test_a_tensor_is_cast_once_per_dtype():
 
         def forward(self, x):
             return x @ self.w + (x * 2) @ self.w
-    fast = _opt(Shared().eval(), torch.randn(4, 8), dtype=torch.bfloat16)
+    fast = _opt(Shared().train(), torch.randn(4, 8), dtype=torch.bfloat16)
     src = fast.graph_code()["graph_0"]
     assert src.count("w.to(torch.bfloat16)") == 1  # one cast feeds both matmuls
+    fast = _opt(Shared().eval(), torch.randn(4, 8), dtype=torch.bfloat16)
+    src = fast.graph_code()["graph_0"]
+    assert src.count("self.rewriter_weight_cast_bfloat16(w)") == 1 and "w.to(" not in src
+
+
+class TwoLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_inference_casts_each_weight_once_and_again_only_when_it_changes():
+    """In inference a weight's half copy is made at the first call and reused (not cast at
+    every call); an in-place update of the weight makes a new one; the user's weights stay fp32
+    and the same tensors; a training graph casts as written (the gradient flows through it)."""
+    torch.manual_seed(0)
+    model, x = TwoLinear().eval(), torch.randn(8, 16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = _opt(model, x, dtype=torch.bfloat16)
+    assert fast.report.kept_passes == ["cast_to_half"], fast.report.final
+    held = 2 * sum(p.numel() for p in model.parameters())  # every weight and bias, in bf16
+    assert any(f"{held / 2**10:.1f} KiB beside" in n for n in fast.report.notes), fast.report.notes
+    src = fast.graph_code()["graph_0"]
+    assert src.count("self.rewriter_weight_cast_bfloat16(") == 4  # two weights, two biases
+    casts = []
+    real_to = torch.Tensor.to
+    weights = {p.data_ptr() for p in model.parameters()}
+
+    def counting_to(self, *args, **kwargs):  # a weight's storage cast to bf16
+        if self.data_ptr() in weights and torch.bfloat16 in args:
+            casts.append(self.shape)
+        return real_to(self, *args, **kwargs)
+    with torch.no_grad():
+        want = fast(x)
+        torch.Tensor.to = counting_to
+        try:
+            for _ in range(3):
+                torch.testing.assert_close(fast(x), want, rtol=0, atol=0)  # the same copies
+            assert casts == []  # no weight was cast again
+            model.a.weight.mul_(2.0)  # the user changes a weight in place
+            changed = fast(x)
+            assert casts == [model.a.weight.shape]  # that weight, and only it, cast again
+        finally:
+            torch.Tensor.to = real_to
+        assert not torch.equal(changed, want)
+        torch.testing.assert_close(changed.float(), model(x), rtol=3e-2, atol=3e-2)
+    assert all(v.dtype == torch.float32 for v in model.state_dict().values())
+    model.a.weight.data.div_(2.0)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=1e-7)
+    assert set(model.state_dict()) == set(before)
+
+
+def test_a_weight_cast_is_as_written_under_autograd_and_its_copies_go_with_the_weight():
+    import gc
+
+    from rewriter.devices.weight_casts import WeightCast
+    cast = WeightCast(torch.bfloat16)
+    w = nn.Parameter(torch.randn(4, 4))
+    with torch.no_grad():
+        first = cast(w)
+        assert cast(w) is first and first.dtype == torch.bfloat16 and not first.requires_grad
+    grad_path = cast(w)  # autograd on: cast as written, the gradient reaches the weight
+    assert grad_path is not first and grad_path.requires_grad
+    grad_path.float().sum().backward()
+    torch.testing.assert_close(w.grad, torch.ones(4, 4))
+    assert cast.cached_bytes() == 4 * 4 * 2 and not dict(cast.state_dict())
+    del w, first, grad_path
+    gc.collect()
+    assert cast.cached_bytes() == 0  # the copy went with its weight
 
 
 def test_not_applicable_without_dtype_and_declined_for_a_dtype_the_device_lacks():

@@ -215,9 +215,10 @@ class DynamoCapture(Capture):
         self.left_as_modules += functionalize_leaf_modules(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for node, value in zip(placeholders, example_inputs):
-            if isinstance(value, torch.Tensor) and id(value) in self._model_tensors \
-                    and self._same_in_every_instance(value, block):
-                node.meta["static_value"] = value  # the model's own tensor, by reference
+            if isinstance(value, torch.Tensor) and id(value) in self._model_tensors:
+                node.meta["model_tensor"] = True  # a parameter or buffer (each instance's own)
+                if self._same_in_every_instance(value, block):
+                    node.meta["static_value"] = value  # the model's own tensor, by reference
         # The outer graphs are graph_0, graph_1, ...; a block's are Class.graph_0, ...
         prefix = "" if block is None else f"{block.name}."
         name = prefix + f"graph_{sum(s.block == getattr(block, 'name', None) for s in self.slots)}"

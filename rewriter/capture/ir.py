@@ -147,6 +147,13 @@ def static_tensor(node: Any) -> torch.Tensor | None:
     return None
 
 
+def reads_model_tensor(node: Any) -> bool:
+    """Whether a node is a parameter or buffer of the model (a ``get_attr``, or a graph input
+    Dynamo lifted one to), whatever its value: a block graph's weights differ per instance, so
+    only those every instance shares have a :func:`static_tensor`."""
+    return isinstance(node, Node) and (node.meta.get("model_tensor", False) or static_tensor(node) is not None)
+
+
 class _InfoRecorder(torch.fx.Interpreter):
     def run_node(self, n: Node) -> Any:
         result = super().run_node(n)
