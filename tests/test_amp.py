@@ -238,3 +238,19 @@ def test_fp16_loss_scaling_skips_an_overflow_step_and_backs_off():
     opt.step()
     assert scaler.skipped_steps == 1 and scaler.scale == 2.0 ** 3
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("mode", ["real", "fake"])
+def test_a_weight_cast_traced_by_make_fx_is_a_cast_in_the_graph_not_a_copy_of_ours(mode):
+    """AOTAutograd (what Inductor is handed) traces with make_fx: a cached copy returned there
+    would be baked into the graph as a constant, stale once the weight changes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from rewriter.devices.weight_casts import WeightCast
+    cast = WeightCast(torch.bfloat16)
+    w = nn.Parameter(torch.randn(4, 4))
+    with torch.no_grad():
+        gm = make_fx(lambda t: cast(t) * 2, tracing_mode=mode)(w)
+    code = gm.code
+    assert "_to_copy" in code and "_tensor_constant" not in code, code
+    assert cast.cached_bytes() == 0

@@ -12,7 +12,7 @@ half copy is made at the first call and reused while the weight is the same tens
     cast = WeightCast(torch.bfloat16)
     with torch.no_grad():
         w16 = cast(w)        # made once, then the same tensor while w is unchanged
-    w16 = cast(w)            # grad enabled, or inside a compile: w.to(bf16), as written
+    w16 = cast(w)            # grad enabled, or inside a trace or compile: w.to(bf16), as written
 
 The copies live as long as the rewritten graph holding the module (optimize()'s model) and the
 weights they were made from. They cost the weights' bytes in the half dtype: the fp32 weights
@@ -38,9 +38,8 @@ class WeightCast(nn.Module):
         self._casts: dict[int, tuple[Any, int, torch.Tensor]] = {}
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or w.dtype == self.dtype \
-                or w.is_inference():
-            return w.to(self.dtype)  # a compiler folds or fuses the cast its own way
+        if not _cacheable(w, self.dtype):
+            return w.to(self.dtype)  # traced: the cast goes into the graph, never a copy of ours
         key = id(w)
         hit = self._casts.get(key)
         if hit is not None and hit[0]() is w and hit[1] == w._version:
@@ -57,3 +56,20 @@ class WeightCast(nn.Module):
     def cached_bytes(self) -> int:
         """Bytes the cast copies hold."""
         return sum(t.numel() * t.element_size() for _, _, t in self._casts.values())
+
+
+def _cacheable(w: Any, dtype: torch.dtype) -> bool:
+    """A real weight, cast with autograd off, outside any trace: Dynamo's, AOTAutograd's
+    (``make_fx``: fake, functional or proxy tensors; a copy of ours would be baked into the
+    graph as a constant) or ``torch.fx``'s (a Proxy)."""
+    return (type(w) in (torch.Tensor, nn.Parameter) and w.dtype != dtype and not w.is_inference()
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and not _in_a_trace())
+
+
+def _in_a_trace() -> bool:
+    keys = getattr(torch._C, "_TorchDispatchModeKey", None)
+    if keys is None:  # pragma: no cover - a torch without dispatch-mode keys
+        return False
+    return any(torch._C._get_dispatch_mode(getattr(keys, name)) is not None
+               for name in ("PROXY", "FAKE", "FUNCTIONAL") if hasattr(keys, name))
