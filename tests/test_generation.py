@@ -352,3 +352,23 @@ def test_a_compiled_forward_gets_the_dynamic_cache_contiguous_and_its_values_unc
     assert other.layers[0].keys is keys
     contiguous_cache(keys)  # not a cache: nothing happens
     assert not keys.is_contiguous()
+
+
+def test_a_static_cache_generation_is_decided_and_served_with_the_original_tokens(block_graph_calls):
+    """transformers' static cache (``cache_implementation="static"``: fixed shapes, the
+    compiler's friend) is the cache kind generate() builds; the step is recorded and replayed
+    with it, the rewritten block graphs serve it, and the tokens are the original model's, at
+    the prompt's length and at one never seen."""
+    torch.manual_seed(0)
+    model = _llama().eval()
+    model.generation_config.cache_implementation = "static"
+    prompt = _prompt()
+    want = _greedy(model, prompt, 6)
+    fast = _opt(model, (prompt,))
+    assert fast.report.final["kept"] and fast.report.kept_passes, fast.report.final
+    block_graph_calls.clear()
+    torch.testing.assert_close(_greedy(fast, prompt, 6), want, rtol=0, atol=0)
+    assert sum(block_graph_calls.values()) >= 6 * LAYERS  # the prefill and every decode call
+    other = _prompt(length=PROMPT + 5, seed=4)
+    torch.testing.assert_close(_greedy(fast, other, 4), _greedy(model, other, 4), rtol=0, atol=0)
+    fast.restore()
