@@ -372,3 +372,29 @@ def test_a_static_cache_generation_is_decided_and_served_with_the_original_token
     other = _prompt(length=PROMPT + 5, seed=4)
     torch.testing.assert_close(_greedy(fast, other, 4), _greedy(model, other, 4), rtol=0, atol=0)
     fast.restore()
+
+
+def test_the_warm_up_call_one_token_shorter_keeps_a_static_caches_shapes():
+    """generate passes a static cache's 4-d mask (queries x the cache's allocated length): one
+    token shorter, the prefill has one query row fewer and the same key length; a decode call
+    keeps its mask and its positions move back by one. A dynamic cache's 2-d mask loses its
+    last position in every call (before, the static mask lost a key column instead and the
+    layer's first trace failed on it, logged by Dynamo as an error)."""
+    from rewriter.decide.generation import _fixed_length, _one_token_shorter
+    ids, pos = torch.arange(8).view(1, 8), torch.arange(8).view(1, 8)
+    static = {"input_ids": ids, "position_ids": pos, "attention_mask": torch.zeros(1, 1, 8, 11)}
+    got = _one_token_shorter(static, True, 8, fixed=11)
+    assert got["input_ids"].shape == (1, 7) and got["position_ids"].shape == (1, 7)
+    assert got["attention_mask"].shape == (1, 1, 7, 11)
+    decode = {"input_ids": ids[:, :1], "position_ids": torch.tensor([[8]]),
+              "attention_mask": torch.zeros(1, 1, 1, 11)}
+    got = _one_token_shorter(decode, False, 8, fixed=11)
+    assert got["attention_mask"].shape == (1, 1, 1, 11) and got["position_ids"].item() == 7
+    dynamic = {"input_ids": ids[:, :1], "attention_mask": torch.ones(1, 9)}
+    assert _one_token_shorter(dynamic, False, 8)["attention_mask"].shape == (1, 8)
+    from transformers.cache_utils import DynamicCache
+    torch.manual_seed(0)
+    model = _llama().eval()
+    model.generation_config.cache_implementation = "static"
+    g = Generation.greedy(model, (_prompt(),), {}, decode=2)
+    assert _fixed_length(g.empty_cache) == PROMPT + 2 and _fixed_length(DynamicCache()) is None

@@ -79,7 +79,9 @@ class Generation:
         length = self.calls[0]["input_ids"].shape[1]
         if length >= 2:
             try:
-                self._replay(run, [_one_token_shorter(c, i == 0, length) for i, c in enumerate(self.calls[:3])])
+                fixed = _fixed_length(self.empty_cache)
+                self._replay(run, [_one_token_shorter(c, i == 0, length, fixed)
+                                   for i, c in enumerate(self.calls[:3])])
                 return
             except Exception:  # a model that insists on its prompt's length: no dynamic prefill
                 pass
@@ -197,15 +199,33 @@ def _positions(model: nn.Module) -> int:
     return 2**31
 
 
-def _one_token_shorter(call: dict, prefill: bool, length: int) -> dict:
+# A decode call's positions: one less when the prompt was one token shorter (a static cache
+# writes at ``cache_position``; left as they were, they point one past what the cache holds)
+_POSITIONS = ("cache_position", "position_ids")
+
+
+def _fixed_length(cache: Any) -> int | None:
+    """The length a cache is allocated to (transformers' static cache), or None (it grows)."""
+    lengths = {getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", None) or ()}
+    return lengths.pop() if len(lengths) == 1 and None not in lengths else None
+
+
+def _one_token_shorter(call: dict, prefill: bool, length: int, fixed: int | None = None) -> dict:
     """A call as it would be with a prompt one token shorter: in the prefill every tensor as
     long as the prompt in its last dimension (ids, mask, positions) loses its last position;
-    later, the attention mask does."""
+    later, the attention mask does, and the positions are one less. A 4-d mask (what generate
+    passes with a static cache) loses its last query row in the prefill, and keeps its key
+    length where that is the cache's ``fixed`` length."""
     def shorter(k: str, v: Any) -> Any:
         if not isinstance(v, torch.Tensor) or v.dim() == 0:
             return v
+        if k == "attention_mask" and v.dim() == 4:
+            v = v[..., :-1, :] if prefill else v
+            return v if v.shape[-1] == fixed else v[..., :-1]
         if (prefill and v.shape[-1] == length) or k == "attention_mask":
             return v[..., :-1]
+        if not prefill and k in _POSITIONS and not v.is_floating_point():
+            return v - 1
         return v
     return {k: shorter(k, v) for k, v in call.items()}
 
