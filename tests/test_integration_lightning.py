@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.controlled import QUICK, ControlledClock
-from tests.helpers import assert_trainer_ran_rewritten, logged_messages
+from tests.helpers import assert_trainer_ran_rewritten, logged_messages, unhurried
 from tests.factories.tiny_models import DIM, SEQ, AttentionBlock
 
 L = pytest.importorskip("lightning")
@@ -82,7 +82,7 @@ def runs(tmp_path_factory):
     plain = _fit(tmp_path_factory.mktemp("plain"))
     callback = RewriterCallback(clock=ControlledClock(FASTER), gate=QUICK, profile=False,
                                 progress=False, knowledge_base=False)
-    with logged_messages("rewriter.integrations.lightning") as log:
+    with logged_messages("rewriter.integrations.lightning") as log, unhurried():
         rewritten = _fit(tmp_path_factory.mktemp("rewritten"), [callback])
     return {"plain": plain, "rewritten": rewritten, "callback": callback,
             "log": log}

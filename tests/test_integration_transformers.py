@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.controlled import QUICK, ControlledClock
-from tests.helpers import assert_trainer_ran_rewritten, logged_messages
+from tests.helpers import assert_trainer_ran_rewritten, logged_messages, unhurried
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -77,7 +77,7 @@ def _callback(**extra) -> RewriterCallback:
 def runs(tmp_path_factory):
     plain = _train(tmp_path_factory.mktemp("plain"))
     seen, callback = SeenOptimizer(), _callback()
-    with logged_messages("rewriter.integrations.transformers") as log:
+    with logged_messages("rewriter.integrations.transformers") as log, unhurried():
         rewritten = _train(tmp_path_factory.mktemp("rewritten"), [seen, callback])
     return {"plain": plain, "rewritten": rewritten, "callback": callback, "seen": seen,
             "log": log}
