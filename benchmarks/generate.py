@@ -53,8 +53,11 @@ def build_model(size: dict, dtype: torch.dtype) -> torch.nn.Module:
 def generator(model: Any, prompt: torch.Tensor, new_tokens: int, **kw: Any) -> Callable[[], torch.Tensor]:
     def run() -> torch.Tensor:
         with torch.no_grad():
-            return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                  do_sample=False, **kw)
+            out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=False, **kw)
+        if prompt.device.type == "cuda":
+            torch.cuda.synchronize()  # a wall clock times the device's work too
+        return out
     return run
 
 
@@ -90,12 +93,12 @@ def configurations(model: torch.nn.Module, prompt: torch.Tensor) -> dict[str, di
     return configs
 
 
-def run(size_name: str, dtype: torch.dtype, quick: bool) -> dict:
+def run(size_name: str, dtype: torch.dtype, quick: bool, device: str = "cpu") -> dict:
     size = SIZES[size_name]
-    model = build_model(size, dtype)
+    model = build_model(size, dtype).to(device)
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, size["vocab"], (1, size["prompt"]), generator=g)
-    other = torch.randint(0, size["vocab"], (1, size["prompt"] + 13), generator=g)
+    prompt = torch.randint(0, size["vocab"], (1, size["prompt"]), generator=g).to(device)
+    other = torch.randint(0, size["vocab"], (1, size["prompt"] + 13), generator=g).to(device)
     want = generator(model, prompt, NEW_TOKENS)()
     gate = QUICK_GATE if quick else BENCH_GATE
     eager_prefill, eager_gen = generator(model, prompt, 1), generator(model, prompt, NEW_TOKENS)
@@ -122,7 +125,10 @@ def run(size_name: str, dtype: torch.dtype, quick: bool) -> dict:
             row.update(kept=r.kept_passes, workload=r.workload, whole_model=r.final.get("reason", ""),
                        block_graphs=[b["graphs"] for b in r.blocks], compile=compiled[0] if compiled else "")
         rows.append(row)
-    return {"machine": machine_info(), "dtype": str(dtype).replace("torch.", ""),
+    machine = machine_info()
+    if device == "cuda":
+        machine["cpu"] = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), host {machine['cpu']}"
+    return {"machine": machine, "dtype": str(dtype).replace("torch.", ""),
             "model": f"Qwen2 config, {size['layers']} layers, hidden {size['hidden']}, vocabulary "
                      f"{size['vocab']}, random weights, eval; prompt 1x{size['prompt']}, {NEW_TOKENS} new tokens",
             "rows": rows}
@@ -162,17 +168,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few pairs (checks the script runs)")
     p.add_argument("--out", help="folder for GENERATE.md and generate.json")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda (files get a _cuda suffix)")
     args = p.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     # a cold Inductor cache of this run's own: the recipe's first call is its compile
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="generate_inductor_")
-    result = run("quick" if args.quick else "default", dtype, args.quick)
+    result = run("quick" if args.quick else "default", dtype, args.quick, args.device)
     command = "python -m benchmarks.generate" + (" --dtype bf16" if args.dtype == "bf16" else "") + \
-        (" --quick" if args.quick else "")
+        (" --quick" if args.quick else "") + (f" --device {args.device}" if args.device != "cpu" else "")
     text = markdown(result, command)
     print(text)
     if args.out:
-        stem = "generate" + ("_bf16" if args.dtype == "bf16" else "")
+        stem = "generate" + ("_bf16" if args.dtype == "bf16" else "") + \
+            (f"_{args.device}" if args.device != "cpu" else "")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"{stem.upper()}.md"), "w") as f:
             f.write(text)

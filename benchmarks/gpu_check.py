@@ -3,11 +3,14 @@
     python -m benchmarks.gpu_check
 
 On a CUDA machine it builds a small Llama (transformers, eager attention, random weights),
-trains it with ``AdamW``, and runs ``optimize()`` twice: fp32 (``compile=False``), then
-``dtype=torch.bfloat16, compile=True``. It checks what the CUDA path promises: the capture, the
-SDPA (flash) rewrite of the written-out attention, the fused AdamW, bf16, the gate timing with
-CUDA events (``rewriter.decide.gate.EventClock``), and Inductor as a gated candidate. It prints one
-Markdown table, one row per check (layout: :data:`COLUMNS`, see :func:`table`)::
+trains it with ``AdamW``, and runs ``optimize()`` on it twice: fp32 (``compile=False``), then
+``dtype=torch.bfloat16, compile=True``; between the two, greedy ``generate()`` of a small Qwen2
+(eval, dynamic KV cache) through optimize()'s model, its tokens against the original's and its
+speed against eager. It checks what the CUDA path promises: the regional capture (one graph per
+block class), the SDPA (flash) rewrite of the written-out attention, the fused AdamW, bf16, the
+gate timing with CUDA events (``rewriter.decide.gate.EventClock``), generation through the
+installed blocks, and Inductor as a gated candidate. Each section prints its rows as it ends, then
+the whole Markdown table, one row per check (layout: :data:`COLUMNS`, see :func:`table`)::
 
     | check | result | figure | detail |
     |---|---|---|---|
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
+import traceback
 from typing import Any, Sequence
 
 import torch
@@ -78,6 +82,10 @@ def _optimize_rows(label: str, device: str = "cuda", size: dict | None = None,
                 detail = f"compile {d.measurement['compile_seconds']:.1f} s; {detail}"
             rows.append({"check": f"{d.pass_name} ({label})", "result": d.status,
                          "figure": _figure(d), "detail": detail})
+    for b in r.blocks:
+        rows.append({"check": f"block {b['class']} ({label})", "result": f"x{b['instances']}",
+                     "figure": ", ".join(f"{g} ({n} nodes)" for g, n in zip(b["graphs"], b["nodes"])),
+                     "detail": "kept: " + (", ".join(b.get("passes", [])) or "none")})
     final = r.final
     speed = (f"{final['speedup']:.3f}x ±{final['noise']:.3f}"
              if final.get("speedup") is not None and final.get("noise") is not None else "")
@@ -85,6 +93,61 @@ def _optimize_rows(label: str, device: str = "cuda", size: dict | None = None,
                  "figure": speed, "detail": f"optimize() {seconds:.0f} s; phases {r.phases}; "
                  + str(final.get("reason", ""))})
     del model, fast, opt
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+GENERATE = {"layers": 4, "hidden": 512, "inter": 1408, "heads": 8, "kv": 2, "vocab": 8000, "prompt": 64,
+            "new": 32}
+
+
+def _generate_rows(device: str = "cuda", size: dict | None = None) -> list[dict]:
+    """Greedy generate() through optimize()'s model (eval, dynamic KV cache): the tokens against the
+    original's, and the speed against eager generate(), interleaved in this process."""
+    import copy
+
+    import transformers
+
+    import rewriter
+    from benchmarks.measure import BENCH_GATE, QUICK_GATE, side_by_side
+    s = size or GENERATE
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(num_hidden_layers=s["layers"], hidden_size=s["hidden"],
+                                   intermediate_size=s["inter"], num_attention_heads=s["heads"],
+                                   num_key_value_heads=s["kv"], vocab_size=s["vocab"],
+                                   max_position_embeddings=512, attn_implementation="eager")
+    model = transformers.Qwen2ForCausalLM(cfg).eval().to(device)
+    prompt = torch.randint(0, s["vocab"], (1, s["prompt"]), device=device)
+
+    def generator(m: Any) -> Any:
+        def run() -> torch.Tensor:
+            with torch.no_grad():
+                out = m.generate(prompt, max_new_tokens=s["new"], min_new_tokens=s["new"], do_sample=False)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return out
+        return run
+
+    want = generator(model)()
+    started = time.perf_counter()
+    fast = rewriter.optimize(copy.deepcopy(model), example_inputs=(prompt,), knowledge_base=False,
+                             progress=False, time_budget=TIME_BUDGET)
+    seconds = time.perf_counter() - started
+    got = generator(fast)()
+    same = int((got[:, s["prompt"]:] == want[:, s["prompt"]:]).sum())
+    gate = QUICK_GATE if size is not None else BENCH_GATE
+    m = side_by_side(generator(model), generator(fast), gate)
+    r = fast.report
+    rows = [{"check": "generate (fp32, eval)", "result": f"tokens {same}/{s['new']} equal",
+             "figure": f"{m.speedup:.3f}x ±{m.noise:.3f}",
+             "detail": f"optimize() {seconds:.0f} s; eager {m.baseline_ms:.1f} ms, optimized "
+                       f"{m.candidate_ms:.1f} ms for {s['new']} tokens; kept: "
+                       f"{', '.join(r.kept_passes) or 'nothing'}; {r.final.get('reason', '')}"}]
+    rows += [{"check": f"generate block {b['class']}", "result": f"x{b['instances']}",
+              "figure": ", ".join(f"{g} ({n} nodes)" for g, n in zip(b["graphs"], b["nodes"])),
+              "detail": "kept: " + (", ".join(b.get("passes", [])) or "none")} for b in r.blocks]
+    del model, fast
     if device == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -102,13 +165,18 @@ def run_checks() -> list[dict]:
     clock = device_clock(get_backend("cuda"))
     rows.append({"check": "gate clock", "result": type(clock).__name__,
                  "figure": "", "detail": "CUDA events" if isinstance(clock, EventClock) else "host clock"})
-    for label, options in (("fp32", {"compile": False}),
-                           ("bf16+compile", {"dtype": torch.bfloat16, "compile": True})):
+    sections = (("optimize (fp32)", lambda: _optimize_rows("fp32", compile=False)),
+                ("generate (fp32)", _generate_rows),
+                ("optimize (bf16+compile)",
+                 lambda: _optimize_rows("bf16+compile", dtype=torch.bfloat16, compile=True)))
+    for name, section in sections:  # cheapest first: a run cut short still reports the rest
+        before = len(rows)
         try:
-            rows += _optimize_rows(label, **options)
+            rows += section()
         except Exception as e:  # the table still prints; the failing check says why
-            rows.append({"check": f"optimize ({label})", "result": "raised",
-                         "detail": f"{type(e).__name__}: {e}"})
+            traceback.print_exc()
+            rows.append({"check": name, "result": "raised", "detail": f"{type(e).__name__}: {e}"})
+        print(table(rows[before:]), flush=True)  # as it goes: a run cut short still says this much
     return rows
 
 

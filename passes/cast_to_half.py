@@ -7,7 +7,12 @@ attention, ...) to take its floating inputs in the half dtype, and each operator
     y = F.linear(x, w, b)          ->  y = F.linear(x.to(bf16), w.to(bf16), b.to(bf16))
     p = F.softmax(s, -1)           ->  p = F.softmax(s.to(float32), -1)     (s was half)
 
-Everything else runs in whatever its inputs are (type promotion, as autocast does). In
+Everything else runs in whatever its inputs are (type promotion, as autocast does). An operator
+that reads integer values held as floats (``position_ids.float()``, moved or reshaped) stays
+fp32: bf16 holds integers exactly only up to 256 (fp16: 2048), so rotary angles computed from
+positions in half would be wrong. Models write such an op inside ``torch.autocast(enabled=False)``
+(transformers' rotary ``inv_freq @ positions``), which leaves no trace in a graph captured without
+autocast; the integer origin is in the graph. In
 inference a model tensor (a weight) is cast once, not at every call
 (``rewriter.devices.weight_casts.WeightCast``: ``w16 = self.rewriter_weight_cast_bfloat16(w)``). A tensor
 is cast at most once per dtype (``w.to(bf16)`` is shared by every user of ``w``), so the
@@ -24,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from rewriter.capture.ir import mark_new_node, reads_model_tensor, tensor_info
+from rewriter.capture.ir import CAST_OPS, mark_new_node, op_name, reads_model_tensor, tensor_info
 from rewriter.devices import amp
 from rewriter.devices.weight_casts import WeightCast
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
@@ -55,6 +60,27 @@ def _known_dtype(value: Node, half: torch.dtype) -> torch.dtype | None:
     return None
 
 
+# Ops that move, reshape or recast values without computing new ones: integers stay integers.
+_MOVES_VALUES = frozenset({"getitem", "view", "reshape", "expand", "expand_as", "transpose", "permute",
+                           "t", "mT", "unsqueeze", "squeeze", "contiguous", "clone", "flatten",
+                           "repeat", "narrow", "select", *CAST_OPS})
+
+
+def _integer_valued(value: Node, steps: int = 32) -> bool:
+    """``value`` is a floating copy of an integer tensor (positions, counts), moved or reshaped."""
+    for _ in range(steps):
+        info = tensor_info(value)
+        if info is not None and not info.dtype.is_floating_point and not info.dtype.is_complex:
+            return True
+        if value.op not in ("call_function", "call_method") or op_name(value) not in _MOVES_VALUES:
+            return False
+        source = next((a for a in value.args if isinstance(a, Node)), None)
+        if source is None:
+            return False
+        value = source
+    return False
+
+
 def _tensor_args(node: Node) -> list[Node]:
     found: list[Node] = []
     for a in list(node.args) + list(node.kwargs.values()):
@@ -67,7 +93,7 @@ class CastToHalf(Pass):
     name = "cast_to_half"
     scope = "step"  # the precision of the whole graph: measured on the whole step
     sets_precision = True
-    version = 2  # 2: inference casts model tensors once (WeightCast)
+    version = 3  # 2: inference casts model tensors once (WeightCast); 3: integer values stay fp32
     contract = "reduced"
     devices = frozenset({"cpu", "cuda", "npu"})
 
@@ -90,6 +116,8 @@ class CastToHalf(Pass):
             precision = amp.precision_of(node) if node.op in ("call_function", "call_method") else None
             if precision is None:
                 continue
+            if precision == "half" and any(_integer_valued(a) for a in _tensor_args(node)):
+                continue  # integer values in half lose exactness (module docstring)
             want = ctx.dtype if precision == "half" else torch.float32
             casts = [a for a in _tensor_args(node) if _known_dtype(a, ctx.dtype) != want]
             if casts:

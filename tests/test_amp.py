@@ -254,3 +254,40 @@ def test_a_weight_cast_traced_by_make_fx_is_a_cast_in_the_graph_not_a_copy_of_ou
     code = gm.code
     assert "_to_copy" in code and "_tensor_constant" not in code, code
     assert cast.cached_bytes() == 0
+
+
+class RotaryFromPositions(nn.Module):
+    """transformers' rotary angles before 5.2x: ``inv_freq @ positions.float()``, written inside
+    ``torch.autocast(enabled=False)`` (no trace of it in a graph captured without autocast)."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        positions = torch.arange(s, device=x.device)[None].expand(b, -1)
+        angles = (self.inv_freq[None, :, None].expand(b, -1, 1).float() @ positions[:, None, :].float())
+        angles = torch.cat((angles, angles), dim=1).transpose(1, 2)
+        return self.proj(x) * angles.cos() + x * angles.sin()
+
+
+def test_an_op_on_integer_values_held_as_floats_stays_fp32():
+    """Positions above 256 are not exact in bf16: the angles' matmul keeps fp32 (the linear is
+    cast), and the result holds at bf16 tolerance."""
+    torch.manual_seed(0)
+    model, x = RotaryFromPositions().eval(), torch.randn(2, 600, 32)
+    fast = _opt(model, x, dtype=torch.bfloat16)
+    d = fast.report.decisions[0]
+    assert d.kept, d.reason
+    # sites are named by their node: "linear: bfloat16"; the matmul's node is "angles"
+    assert any(s.startswith("linear") for s in d.sites) and not any(s.startswith("angles") for s in d.sites), d.sites
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x).float(), model(x), rtol=1.6e-2, atol=3e-2)
+        # the control: the same matmul in bf16 is far off (the rule is what keeps it right)
+        b, s, _ = x.shape
+        positions = torch.arange(s)[None].expand(b, -1)
+        half = (model.inv_freq[None, :, None].expand(b, -1, 1).bfloat16() @ positions[:, None, :].bfloat16())
+        exact = model.inv_freq[None, :, None].expand(b, -1, 1) @ positions[:, None, :].float()
+        assert (half.float().cos() - exact.cos()).abs().max() > 0.5
