@@ -130,6 +130,23 @@ def test_a_prompt_with_no_decode_form_is_named(inputs, problem):
         Generation.greedy(model, *inputs, decode=2)
 
 
+def test_a_model_that_returns_no_cache_is_decided_on_one_call_with_a_note():
+    """A config with use_cache=False (MPT's default): generate() runs without a cache, so there
+    is no decode call to replay; optimize() decides the one call and says why."""
+    torch.manual_seed(0)
+    model = _llama().eval()
+    model.config.use_cache = False
+    model.generation_config.use_cache = False
+    with pytest.raises(GenerationUnavailable, match="no KV cache"):
+        Generation.greedy(model, (_prompt(),), {}, decode=2)
+    prompt = _prompt()
+    want = _greedy(model, prompt, 4)
+    fast = _opt(model, (prompt,))
+    r = fast.report
+    assert not r.workload.startswith("generate") and any("no KV cache" in n for n in r.notes), r.notes
+    torch.testing.assert_close(_greedy(fast, prompt, 4), want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "yes", None])
 def test_generate_argument_is_checked(bad):
     with pytest.raises(ValueError, match="generate must be"):

@@ -78,3 +78,31 @@ def test_eval_and_generate_run_the_rewritten_blocks_and_give_the_same_tokens(blo
     # of its own: captured once more, the kept rewrites replayed onto it)
     assert block_runs["n"] >= 6 * LAYERS
     fast.restore()
+
+
+def test_many_models_optimized_in_one_process_each_keep_their_outer_graphs(monkeypatch):
+    """transformers wraps every model class's forward in one shared function, which each
+    optimize() compiles again: past Dynamo's recompile limit it ran uncaptured (the outer
+    graphs gone). Dropped captures release their entries; live ones run past the limit."""
+    import gc
+
+    from rewriter.capture import front_ends
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)  # the default (8), sooner
+    inputs = _inputs(True)
+
+    def graphs():
+        torch.manual_seed(0)
+        fast = rewriter.optimize(_llama().train(), inputs, passes=[], progress=False, profile=False,
+                                 knowledge_base=False, gate=QUICK)
+        return fast, fast.report.graphs
+    with monkeypatch.context() as m:
+        m.setattr(front_ends, "CAPTURE_SIGNATURES", 1, raising=False)  # only the release can help
+        dropped = []
+        for _ in range(3):
+            fast, n = graphs()
+            dropped.append(n)
+            del fast
+            gc.collect()
+        assert dropped == [dropped[0]] * 3 and dropped[0] > 1, dropped
+    live = [graphs() for _ in range(3)]  # live captures: our calls raise the limit
+    assert [n for _, n in live] == [dropped[0]] * 3, [n for _, n in live]

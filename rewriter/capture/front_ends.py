@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 from torch.fx import GraphModule
 
+from rewriter.capture import code_entries
 from rewriter.capture.ir import (
     annotate_tensor_info,
     copy_graph_module,
@@ -187,6 +188,12 @@ class FxCapture(Capture):
         return out
 
 
+# Entries one code object may hold while our captures run it: library frames (transformers'
+# forward wrapper, its mask functions) are compiled once per live optimized model and signature,
+# and Dynamo's default limit (8) would leave the ninth uncaptured (rewriter.capture.code_entries).
+CAPTURE_SIGNATURES = 64
+
+
 class DynamoCapture(Capture):
     """``torch.compile`` with our backend; a slot per graph Dynamo hands over.
 
@@ -201,6 +208,7 @@ class DynamoCapture(Capture):
         """``then_compile``: a torch.compile backend that each rewritten graph is handed to
         (after ``on_new_graph``); by default the graphs run as they are."""
         super().__init__(reason)
+        code_entries.release_unowned()  # before this capture compiles anything
         self.on_new_graph: Callable[[GraphSlot], None] | None = None
         self.then_compile = then_compile
         self._model_tensors = {id(t) for t in list(model.parameters()) + list(model.buffers())}
@@ -240,8 +248,10 @@ class DynamoCapture(Capture):
         return True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(ignore_logging_functions=self._ignored_logging), \
-                _unlogged_trace_headers_skipped():
+        limit = max(torch._dynamo.config.recompile_limit, CAPTURE_SIGNATURES)
+        with torch._dynamo.config.patch(ignore_logging_functions=self._ignored_logging,
+                                        recompile_limit=limit), \
+                _unlogged_trace_headers_skipped(), code_entries.calling(self):
             return self.compiled(*args, **kwargs)
 
 

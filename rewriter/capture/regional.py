@@ -26,6 +26,8 @@ import torch.nn as nn
 from torch._C._dynamo.eval_frame import reset_code
 from torch._dynamo.eval_frame import skip_code
 
+from rewriter.capture import code_entries
+
 from rewriter.capture.blocks import unwrapped_class
 from rewriter.capture.front_ends import DynamoCapture, _unlogged_trace_headers_skipped, _weak_backend
 from rewriter.capture.install import FLAG, hooks_of, install
@@ -222,7 +224,7 @@ class _BlockRunner:
         args, kwargs = _one_layer_caches(args, kwargs, self.layer_idx.get(id(module)))
         with torch._dynamo.config.patch(ignore_logging_functions=self.cap._ignored_logging,
                                         recompile_limit=BLOCK_SIGNATURES), \
-                _unlogged_trace_headers_skipped():
+                _unlogged_trace_headers_skipped(), code_entries.calling(self.cap):
             return self.compiled(module, forward, args, kwargs)
 
     def _hooked_inside(self, module: nn.Module) -> bool:

@@ -133,7 +133,10 @@ class Generation:
                 empty.append((name, copy.deepcopy(kw.get(name)) if name else None))
             calls.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                           for k, v in kw.items() if k != name})
-            return forward(**kw)
+            out = forward(**kw)
+            if len(calls) == 1:
+                _cache_of(out)  # no cache (config.use_cache=False): no decode call to replay
+            return out
         given = {k: v for k, v in kwargs.items() if k != "input_ids"}
         with forward_in_place(model, recording), torch.no_grad():
             # greedy, one beam, whatever the model's generation_config says
