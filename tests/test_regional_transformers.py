@@ -106,3 +106,30 @@ def test_many_models_optimized_in_one_process_each_keep_their_outer_graphs(monke
         assert dropped == [dropped[0]] * 3 and dropped[0] > 1, dropped
     live = [graphs() for _ in range(3)]  # live captures: our calls raise the limit
     assert [n for _, n in live] == [dropped[0]] * 3, [n for _, n in live]
+
+
+def test_gpt2_with_dropout_is_captured_by_blocks_and_trains_as_the_original():
+    """GPT-2's embedding dropout runs eagerly in the forward that loops over the blocks, outside
+    every graph: the numerics check turns it off there too (it fell back to the whole model),
+    and in training it draws as the original does."""
+    import copy
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    assert cfg.embd_pdrop > 0 and cfg.resid_pdrop > 0  # transformers' defaults: dropout on
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    inputs = {"input_ids": ids, "labels": ids}
+    fast = _opt(model, inputs, passes=["fuse_gelu"])
+    assert fast.report.front_end == "regional", fast.report.notes
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        want = ref(**inputs).loss
+        torch.manual_seed(seed)
+        got = fast(**inputs).loss
+        assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    torch.manual_seed(3)
+    dropped = fast(**inputs).loss.item()
+    torch.manual_seed(4)
+    assert fast(**inputs).loss.item() != dropped  # dropout is on in training

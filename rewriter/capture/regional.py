@@ -15,6 +15,7 @@ block is a call. The pipeline decides on these graphs as on any capture's::
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import types
 import warnings
@@ -68,7 +69,8 @@ class RegionalCapture(DynamoCapture):
         _release_dropped()
         functions, holders = _calling_frames(model, blocks)
         self._untraced = functions
-        self._not_inlined = [(weakref.ref(h), _not_inlined_forward(h)) for h in holders
+        me = weakref.ref(self)
+        self._not_inlined = [(weakref.ref(h), _not_inlined_forward(h, me)) for h in holders
                              if "forward" not in h.__dict__]
         for fn in functions:
             skip_code(fn.__code__)
@@ -251,11 +253,33 @@ class _BlockRunner:
 _DROPPED: list[tuple[list[Any], list[Any]]] = []
 
 
-def _not_inlined_forward(holder: nn.Module) -> Any:
+def _not_inlined_forward(holder: nn.Module, capture: Any = None) -> Any:
     """``holder``'s forward, bound, as torch._dynamo.disable(recursive=False) makes it: run as
-    Python, its callees traced as frames of their own, never inlined into its caller's trace."""
+    Python, its callees traced as frames of their own, never inlined into its caller's trace.
+
+    Dropout modules it calls directly (GPT-2's embedding dropout) run eagerly there, outside
+    every graph, so the numerics check's switch (``deterministic``, which turns dropout off in
+    the graphs) would miss them: while ``capture`` (a weak reference) runs deterministic, their
+    ``p`` is 0. They are never traced, so nothing guards on ``p``."""
     fn = torch._dynamo.disable(unwrapped_class(holder).forward, recursive=False)
-    return types.MethodType(fn, holder)
+    dropouts = [m for m in holder.children() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    if not dropouts or capture is None:
+        return types.MethodType(fn, holder)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        cap = capture()
+        if cap is None or not cap.switch.deterministic:
+            return fn(self, *args, **kwargs)
+        saved = [m.p for m in dropouts]
+        for m in dropouts:
+            m.p = 0.0
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            for m, p in zip(dropouts, saved):
+                m.p = p
+    functools.update_wrapper(forward, unwrapped_class(holder).forward)
+    return types.MethodType(torch._dynamo.disable(forward, recursive=False), holder)
 
 
 def _drop_forwards(not_inlined: list[Any]) -> None:
