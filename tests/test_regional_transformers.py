@@ -86,8 +86,11 @@ def test_many_models_optimized_in_one_process_each_keep_their_outer_graphs(monke
     graphs gone). Dropped captures release their entries; live ones run past the limit."""
     import gc
 
-    from rewriter.capture import front_ends
+    from rewriter.capture import code_entries, front_ends
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)  # the default (8), sooner
+    # captures other tests keep alive own no entry now (Dynamo was reset), but would keep
+    # shared code from being released: this test's captures are the only owners
+    monkeypatch.setattr(code_entries, "_OWNERS", {})
     inputs = _inputs(True)
 
     def graphs():

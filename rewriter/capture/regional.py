@@ -28,7 +28,6 @@ from torch._C._dynamo.eval_frame import reset_code
 from torch._dynamo.eval_frame import skip_code
 
 from rewriter.capture import code_entries
-
 from rewriter.capture.blocks import unwrapped_class
 from rewriter.capture.front_ends import DynamoCapture, _unlogged_trace_headers_skipped, _weak_backend
 from rewriter.capture.install import FLAG, hooks_of, install
