@@ -672,3 +672,33 @@ def test_a_regression_is_only_believed_on_firm_pairs():
     # under objective="memory" only what is slower than memory_slowdown allowed counts
     run.settings.objective, run.settings.memory_slowdown = "memory", 0.5
     assert not slower_on(firm_pairs(g))
+
+
+def test_a_region_computing_under_the_bf16_overlay_is_held_to_bf16s_tolerance():
+    """Under optimize(dtype=bf16) every region is verified with the precision overlay on: its
+    inputs are recorded in fp32 but it computes in bf16, so a replacement that differs by bf16
+    rounding (CUDA's flash attention against the written-out one) is right, not off by fp32's
+    bound (the first GPU run failed fuse_attention that way)."""
+    from types import SimpleNamespace
+
+    from rewriter.capture.record import Recorded
+    from rewriter.decide.site_gate import verify_region
+
+    class Exact(torch.nn.Module):
+        def forward(self, x, w):
+            return (x @ w,)
+
+    class RoundedToBf16(torch.nn.Module):
+        def forward(self, x, w):
+            return ((x @ w).bfloat16().float(),)
+    before, after = torch.fx.symbolic_trace(Exact()), torch.fx.symbolic_trace(RoundedToBf16())
+    region = SimpleNamespace(before=before, after=after)
+    torch.manual_seed(0)
+    values = [Recorded(torch.randn(64, 64)), Recorded(torch.randn(64, 64))]
+    fp32 = verify_region(region, values, training=False, forms=(before, after))
+    assert not fp32.ok  # fp32's bound: bf16 rounding is far beyond it
+    bf16 = verify_region(region, values, training=False, forms=(before, after), precision=torch.bfloat16)
+    assert bf16.ok, bf16.problem
+    # the precision applies to the overlay's forms only: the region's own stays at fp32's bound
+    assert not verify_region(SimpleNamespace(before=before, after=after), values, training=False,
+                             precision=torch.bfloat16).ok

@@ -178,7 +178,7 @@ class RegionDecisions:
             sample = _verify_sample(members)
             for slot, r in sample:
                 c = verify_region(r, self._values(values, slot, r), self.job.training,
-                                  self._forms(r, overlay))
+                                  self._forms(r, overlay), precision=self.job.dtype)
                 if not c.ok and not self._whole_model_agrees(p):
                     row.update(status="failed verification", max_abs_error=None,
                                reason=f"at {r.label}: {c.problem}")

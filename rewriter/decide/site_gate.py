@@ -24,7 +24,7 @@ from torch.fx import GraphModule
 from torch.utils._pytree import tree_leaves
 
 from rewriter.capture.record import Recorded
-from rewriter.capture.region import Region, dtype_of_region
+from rewriter.capture.region import Region, dtype_of_region, lowest_float_dtype
 from rewriter.decide.gate import Clock, GateSettings, Measurement, Step, measure
 from rewriter.decide.verify import (
     FLOAT64_FACTOR,
@@ -106,13 +106,17 @@ def _seeded_numerics(call: RegionCall) -> dict[str, torch.Tensor]:
 
 
 def verify_region(region: Region, values: list[Recorded], training: bool,
-                  forms: tuple[GraphModule, GraphModule] | None = None) -> Comparison:
+                  forms: tuple[GraphModule, GraphModule] | None = None,
+                  precision: torch.dtype | None = None) -> Comparison:
     """The replacement against the original region, at the region's precision.
 
     ``forms``: (before, after) to run instead of the region's own (the region with the
-    precision overlay applied)."""
+    precision overlay applied); ``precision``: the dtype that overlay computes in. Its inputs
+    are recorded in fp32, but a region that computes in bf16 is held to bf16's tolerance (the
+    flash kernel's bf16 attention differs from the written-out one by bf16 rounding)."""
     before, after = forms or (region.before, region.after)
-    dtype = dtype_of_region([v.value for v in values])
+    dtype = lowest_float_dtype([dtype_of_region([v.value for v in values])]
+                               + ([precision] if forms is not None and precision is not None else []))
     try:
         want = _seeded_numerics(RegionCall(before, values, training))
     except Exception as e:  # noqa: BLE001 (the original region itself: not the site's fault)
