@@ -113,6 +113,9 @@ class Backend:
     device_type: str = ""
     amp_dtypes: tuple[torch.dtype, ...] = ()
     matmul_alignment: int = 1  # elements; a MatMul dimension that is a multiple runs best
+    # A first run far slower than the next: each kernel's first launch loads its code, and the
+    # libraries create their handles (CUDA/NPU). The step is then timed again, warm.
+    cold_first_run: bool = False
 
     def is_available(self) -> bool:
         raise NotImplementedError
@@ -264,6 +267,7 @@ class CudaBackend(_SdpaAttention, Backend):
     device_type = "cuda"
     amp_dtypes = (torch.float16, torch.bfloat16)
     matmul_alignment = 8
+    cold_first_run = True
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()
@@ -303,6 +307,8 @@ class NpuBackend(Backend):
     ``npu_capabilities.MIN_TORCH_NPU``), ``torch.npu.is_bf16_supported()`` and each op's
     documented products, dtypes and shape limits. A pass that cannot run here gets the reason.
     """
+
+    cold_first_run = True
 
     name = "npu"
     device_type = "npu"
