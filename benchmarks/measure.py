@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from rewriter.decide.gate import GateSettings, Measurement, Step, WallClock, measure
-from rewriter.devices.backends import cpu_info
+from rewriter.devices.cpu_identity import cpu_info
 
 # Default run: at least 10 pairs; stop once the speedup is clear of 1 by two noise widths or
 # 5 s of pairs have run (at most 30 pairs).

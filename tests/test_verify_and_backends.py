@@ -204,7 +204,7 @@ def test_float64_yardstick_copies_the_model_and_runs_on_the_host_for_npu(fake_to
 
 def test_cpuinfo_flags_are_read_on_x86_and_on_arm():
     from benchmarks.measure import _isa
-    from rewriter.devices.backends import parse_cpuinfo
+    from rewriter.devices.cpu_identity import parse_cpuinfo
     x86 = ["processor\t: 0", "model name\t: Intel(R) Xeon(R) Platinum 8480+",
            "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16", "", "processor\t: 1",
            "model name\t: other", "flags\t\t: fpu"]

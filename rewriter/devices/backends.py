@@ -12,7 +12,6 @@ fails (reference npu_ecosystem.md §7), and a CUDA build of torch refuses it on 
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import operator
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch.fx import Graph, Node
 
 from rewriter.capture.ir import tensor_info
+from rewriter.devices.cpu_identity import cpu_model
 from rewriter.devices.npu_capabilities import (
     FA_MAX_HEAD_DIM,
     FA_MAX_HEADS,
@@ -69,43 +69,6 @@ class AttentionSpec:
     mask_shape: tuple[int, ...] | None = None
 
 
-@functools.lru_cache(maxsize=1)  # the CPU does not change under a process; keys ask often
-def cpu_info() -> tuple[str, frozenset[str]]:
-    """The CPU's model name and ISA flags from /proc/cpuinfo (x86's ``flags`` line, ARM's
-    ``Features``); without it, the platform's processor string and no flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            name, flags = parse_cpuinfo(f)
-    except OSError:
-        name, flags = "", frozenset()
-    import platform
-    return name or platform.processor() or platform.machine() or "unknown CPU", flags
-
-
-def parse_cpuinfo(lines: Any) -> tuple[str, frozenset[str]]:
-    """The first processor's model name and ISA flags from /proc/cpuinfo's lines::
-
-        parse_cpuinfo(["model name : AMD EPYC", "flags : fpu avx2"])
-        # ('AMD EPYC', frozenset({'fpu', 'avx2'}))
-    """
-    name, flags = "", set()
-    for line in lines:
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key in ("model name", "hardware", "cpu model") and not name:
-            name = value.strip()
-        elif key in ("flags", "features") and not flags:
-            flags = set(value.split())
-        if name and flags:
-            break
-    return name, frozenset(flags)
-
-
-def cpu_model() -> str:
-    """The CPU's model name (see cpu_info)."""
-    return cpu_info()[0]
-
-
 class Backend:
     """Base of the device backends. Subclasses fill in the device-specific parts."""
 
@@ -113,9 +76,7 @@ class Backend:
     device_type: str = ""
     amp_dtypes: tuple[torch.dtype, ...] = ()
     matmul_alignment: int = 1  # elements; a MatMul dimension that is a multiple runs best
-    # A first run far slower than the next: each kernel's first launch loads its code, and the
-    # libraries create their handles (CUDA/NPU). The step is then timed again, warm.
-    cold_first_run: bool = False
+    cold_first_run: bool = False  # a first run that loads every kernel: the step is timed again
 
     def is_available(self) -> bool:
         raise NotImplementedError
@@ -308,10 +269,9 @@ class NpuBackend(Backend):
     documented products, dtypes and shape limits. A pass that cannot run here gets the reason.
     """
 
-    cold_first_run = True
-
     name = "npu"
     device_type = "npu"
+    cold_first_run = True
     fused_ops = frozenset({"attention", "rms_norm", "layer_norm", "gelu_tanh", "quick_gelu",
                            "swiglu", "geglu", "rotary", "confusion_transpose"})
     matmul_alignment = 16  # Cube unit fractal; 128 preferred for large dims (tuning guide)

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from rewriter.devices.backends import Backend, cpu_model, get_backend
+from rewriter.devices.backends import Backend, get_backend
+from rewriter.devices.cpu_identity import cpu_model
 
 log = logging.getLogger(__name__)
 
