@@ -283,3 +283,16 @@ def test_the_fsdp_table_gives_each_rank_its_kept_rewrites_and_loss_difference():
     assert ("| shard then optimize | 1 | 8.0 | fuse_attention | rewritten blocks and outer graphs | 16 | "
             "1.00e-06 |") in md
     assert "LLaMA config, 4 layers" in md and "2 steps" in md
+
+
+def test_the_families_sweep_runs_and_reports_a_family(tmp_path):
+    """benchmarks/families.py end to end on one family: its row says how it was captured, and
+    the optimized model trains and generates as the original."""
+    from benchmarks import families
+    assert families.main(["--only", "LlamaConfig", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "families.json").read_text())["rows"]
+    assert row["error"] is None and row["capture"] == "regional" and row["graphs"] > 1
+    assert row["max_loss_difference"] < 1e-4 and row["generate_tokens_equal"] == f"{families.NEW_TOKENS}/{families.NEW_TOKENS}"
+    assert "| Llama | regional |" in (tmp_path / "FAMILIES.md").read_text()
+    with pytest.raises(SystemExit):
+        families.main(["--only", "NoSuchConfig"])
