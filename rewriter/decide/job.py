@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from rewriter.decide.generation import Generation
-from rewriter.decide.verify import dropout_disabled, flatten_output
+from rewriter.decide.verify import dropout_off, flatten_output
 from rewriter.devices.backends import Backend
 
 VERIFY_SEED = 20260529  # any fixed seed: the reference and the candidate must draw alike
@@ -154,11 +154,11 @@ class Job:
         """Outputs (and, training, parameter gradients) of one seeded run, by name.
 
         ``deterministic`` is the context that turns dropout off for this run; the default
-        (:class:`dropout_disabled`) suits an eager model, a capture passes its own switch.
+        (:func:`dropout_off` of the job's model) suits an eager model, a capture passes its own switch.
         """
         self.zero_grads()
         torch.manual_seed(VERIFY_SEED)
-        ctx = deterministic if deterministic is not None else dropout_disabled()
+        ctx = deterministic if deterministic is not None else dropout_off(self.model)
         grad_mode = torch.enable_grad() if self.training else torch.no_grad()
         with ctx, grad_mode:
             out = self.call(run)

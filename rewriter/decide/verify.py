@@ -24,10 +24,11 @@ compared; a non-finite value where the original was finite is a failure.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +111,26 @@ class dropout_disabled(TorchFunctionMode):
             if len(args) > 4:
                 args = (*args[:4], 0.0, *args[5:])
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def dropout_off(model: torch.nn.Module) -> Iterator[None]:
+    """An eager model's dropout off for a deterministic run: its dropout modules' ``p`` is 0, and
+    :class:`dropout_disabled` takes the functional calls. The modules are what activation
+    checkpointing needs: its recompute in backward runs outside the torch-function mode, and a
+    dropout that was the identity in forward but draws a mask in the recompute saves tensors the
+    forward did not (torch.utils.checkpoint's metadata check fails: GPT-2 and BERT with their
+    default dropout under gradient checkpointing could not be optimized)."""
+    modules = [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)]
+    saved = [m.p for m in modules]
+    for m in modules:
+        m.p = 0.0
+    try:
+        with dropout_disabled():
+            yield
+    finally:
+        for m, p in zip(modules, saved):
+            m.p = p
 
 
 def flatten_output(output: Any) -> list[tuple[str, torch.Tensor]]:
