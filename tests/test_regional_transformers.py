@@ -162,3 +162,40 @@ def test_gpt2_with_dropout_under_gradient_checkpointing_is_optimized():
     got = fast(**inputs).loss
     got.backward()
     assert got.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_functional_dropout_in_a_checkpointed_block_is_optimized():
+    """A block that calls F.dropout with a float p (OPT, GPTBigCode), checkpointed: the reference
+    run's dropout is off in the recompute too (functional dropout is the identity for its run)."""
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = F.dropout(torch.relu(x), p=0.1, training=self.training)  # mid-block, as OPT's
+            return x + torch.tanh(self.fc(h))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = checkpoint(layer, x, use_reentrant=False)
+            return x.sum()
+    torch.manual_seed(0)
+    model, x = Net().train(), torch.randn(4, 16)
+    fast = rewriter.optimize(model, (x,), passes=[], progress=False, profile=False, knowledge_base=False,
+                             gate=QUICK, regional=True)
+    assert fast.report.front_end == "regional", fast.report.front_end_reason
+    assert F.dropout.__name__ == "dropout"  # put back
+    torch.manual_seed(1)
+    want = model(x)
+    torch.manual_seed(1)
+    assert fast(x).item() == pytest.approx(want.item(), rel=1e-5)

@@ -113,22 +113,37 @@ class dropout_disabled(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# The functional dropouts, as torch.nn.functional names them.
+_FUNCTIONAL_DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+                        "feature_alpha_dropout")
+
+
+def _identity_dropout(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return input
+
+
 @contextlib.contextmanager
 def dropout_off(model: torch.nn.Module) -> Iterator[None]:
-    """An eager model's dropout off for a deterministic run: its dropout modules' ``p`` is 0, and
-    :class:`dropout_disabled` takes the functional calls. The modules are what activation
-    checkpointing needs: its recompute in backward runs outside the torch-function mode, and a
-    dropout that was the identity in forward but draws a mask in the recompute saves tensors the
-    forward did not (torch.utils.checkpoint's metadata check fails: GPT-2 and BERT with their
-    default dropout under gradient checkpointing could not be optimized)."""
+    """An eager model's dropout off for a deterministic run: its dropout modules' ``p`` is 0,
+    ``torch.nn.functional``'s dropouts are the identity, and :class:`dropout_disabled` takes what
+    else reaches torch (``torch.dropout``, SDPA's ``dropout_p``). Not the mode alone: activation
+    checkpointing's recompute in backward runs outside it, and a dropout that was the identity in
+    forward but drew a mask in the recompute saved tensors the forward had not (its metadata
+    check failed: GPT-2, BERT, OPT with their default dropout under gradient checkpointing could
+    not be optimized). Only for the eager model's runs: nothing is compiled while they run."""
     modules = [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)]
     saved = [m.p for m in modules]
+    functions = {name: getattr(F, name) for name in _FUNCTIONAL_DROPOUTS if hasattr(F, name)}
     for m in modules:
         m.p = 0.0
+    for name in functions:
+        setattr(F, name, _identity_dropout)
     try:
         with dropout_disabled():
             yield
     finally:
+        for name, fn in functions.items():
+            setattr(F, name, fn)
         for m, p in zip(modules, saved):
             m.p = p
 
