@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import tempfile
 import time
@@ -32,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from benchmarks.measure import BENCH_GATE, QUICK_GATE, isa_text, machine_info, side_by_side
+from benchmarks.measure import BENCH_GATE, QUICK_GATE, isa_text, machine_info, side_by_side, write_result
 
 NEW_TOKENS = 48
 SERVING_CALLS = 100_000  # generate() calls a serving process expects (optimize(steps=))
@@ -177,15 +176,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m benchmarks.generate" + (" --dtype bf16" if args.dtype == "bf16" else "") + \
         (" --quick" if args.quick else "") + (f" --device {args.device}" if args.device != "cpu" else "")
     text = markdown(result, command)
-    print(text)
     if args.out:
         stem = "generate" + ("_bf16" if args.dtype == "bf16" else "") + \
             (f"_{args.device}" if args.device != "cpu" else "")
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"{stem.upper()}.md"), "w") as f:
-            f.write(text)
-        with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.out, stem, result, text)
+    else:
+        print(text)
     return 0
 
 

@@ -82,10 +82,7 @@ def _optimize_rows(label: str, device: str = "cuda", size: dict | None = None,
                 detail = f"compile {d.measurement['compile_seconds']:.1f} s; {detail}"
             rows.append({"check": f"{d.pass_name} ({label})", "result": d.status,
                          "figure": _figure(d), "detail": detail})
-    for b in r.blocks:
-        rows.append({"check": f"block {b['class']} ({label})", "result": f"x{b['instances']}",
-                     "figure": ", ".join(f"{g} ({n} nodes)" for g, n in zip(b["graphs"], b["nodes"])),
-                     "detail": "kept: " + (", ".join(b.get("passes", [])) or "none")})
+    rows += _block_rows(r, f"block {{}} ({label})")
     final = r.final
     speed = (f"{final['speedup']:.3f}x ±{final['noise']:.3f}"
              if final.get("speedup") is not None and final.get("noise") is not None else "")
@@ -98,6 +95,13 @@ def _optimize_rows(label: str, device: str = "cuda", size: dict | None = None,
     return rows
 
 
+def _block_rows(report: Any, check: str) -> list[dict]:
+    """A row per block class of the report: ``check`` with the class name in its ``{}``."""
+    return [{"check": check.format(b["class"]), "result": f"x{b['instances']}",
+             "figure": ", ".join(f"{g} ({n} nodes)" for g, n in zip(b["graphs"], b["nodes"])),
+             "detail": "kept: " + (", ".join(b.get("passes", [])) or "none")} for b in report.blocks]
+
+
 GENERATE = {"layers": 4, "hidden": 512, "inter": 1408, "heads": 8, "kv": 2, "vocab": 8000, "prompt": 64,
             "new": 32}
 
@@ -107,46 +111,28 @@ def _generate_rows(device: str = "cuda", size: dict | None = None) -> list[dict]
     original's, and the speed against eager generate(), interleaved in this process."""
     import copy
 
-    import transformers
-
     import rewriter
+    from benchmarks.generate import build_model, generator
     from benchmarks.measure import BENCH_GATE, QUICK_GATE, side_by_side
     s = size or GENERATE
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(num_hidden_layers=s["layers"], hidden_size=s["hidden"],
-                                   intermediate_size=s["inter"], num_attention_heads=s["heads"],
-                                   num_key_value_heads=s["kv"], vocab_size=s["vocab"],
-                                   max_position_embeddings=512, attn_implementation="eager")
-    model = transformers.Qwen2ForCausalLM(cfg).eval().to(device)
+    model = build_model(s, torch.float32).to(device)
     prompt = torch.randint(0, s["vocab"], (1, s["prompt"]), device=device)
-
-    def generator(m: Any) -> Any:
-        def run() -> torch.Tensor:
-            with torch.no_grad():
-                out = m.generate(prompt, max_new_tokens=s["new"], min_new_tokens=s["new"], do_sample=False)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            return out
-        return run
-
-    want = generator(model)()
+    want = generator(model, prompt, s["new"])()
     started = time.perf_counter()
     fast = rewriter.optimize(copy.deepcopy(model), example_inputs=(prompt,), knowledge_base=False,
                              progress=False, time_budget=TIME_BUDGET)
     seconds = time.perf_counter() - started
-    got = generator(fast)()
+    got = generator(fast, prompt, s["new"])()
     same = int((got[:, s["prompt"]:] == want[:, s["prompt"]:]).sum())
     gate = QUICK_GATE if size is not None else BENCH_GATE
-    m = side_by_side(generator(model), generator(fast), gate)
+    m = side_by_side(generator(model, prompt, s["new"]), generator(fast, prompt, s["new"]), gate)
     r = fast.report
     rows = [{"check": "generate (fp32, eval)", "result": f"tokens {same}/{s['new']} equal",
              "figure": f"{m.speedup:.3f}x ±{m.noise:.3f}",
              "detail": f"optimize() {seconds:.0f} s; eager {m.baseline_ms:.1f} ms, optimized "
                        f"{m.candidate_ms:.1f} ms for {s['new']} tokens; kept: "
                        f"{', '.join(r.kept_passes) or 'nothing'}; {r.final.get('reason', '')}"}]
-    rows += [{"check": f"generate block {b['class']}", "result": f"x{b['instances']}",
-              "figure": ", ".join(f"{g} ({n} nodes)" for g, n in zip(b["graphs"], b["nodes"])),
-              "detail": "kept: " + (", ".join(b.get("passes", [])) or "none")} for b in r.blocks]
+    rows += _block_rows(r, "generate block {}")
     del model, fast
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -31,6 +31,7 @@ from rewriter.capture import code_entries
 from rewriter.capture.blocks import unwrapped_class
 from rewriter.capture.front_ends import DynamoCapture, _unlogged_trace_headers_skipped, _weak_backend
 from rewriter.capture.install import FLAG, hooks_of, install
+from rewriter.decide.verify import dropout_modules, dropout_modules_off
 
 
 class RegionalCapture(DynamoCapture):
@@ -261,7 +262,7 @@ def _not_inlined_forward(holder: nn.Module, capture: Any = None) -> Any:
     the graphs) would miss them: while ``capture`` (a weak reference) runs deterministic, their
     ``p`` is 0. They are never traced, so nothing guards on ``p``."""
     fn = torch._dynamo.disable(unwrapped_class(holder).forward, recursive=False)
-    dropouts = [m for m in holder.children() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    dropouts = dropout_modules(holder, recurse=False)
     if not dropouts or capture is None:
         return types.MethodType(fn, holder)
 
@@ -269,14 +270,8 @@ def _not_inlined_forward(holder: nn.Module, capture: Any = None) -> Any:
         cap = capture()
         if cap is None or not cap.switch.deterministic:
             return fn(self, *args, **kwargs)
-        saved = [m.p for m in dropouts]
-        for m in dropouts:
-            m.p = 0.0
-        try:
+        with dropout_modules_off(dropouts):
             return fn(self, *args, **kwargs)
-        finally:
-            for m, p in zip(dropouts, saved):
-                m.p = p
     functools.update_wrapper(forward, unwrapped_class(holder).forward)
     return types.MethodType(torch._dynamo.disable(forward, recursive=False), holder)
 

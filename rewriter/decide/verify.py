@@ -123,6 +123,26 @@ def _identity_dropout(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.T
 
 
 @contextlib.contextmanager
+def dropout_modules_off(modules: Any) -> Iterator[None]:
+    """These dropout modules' ``p`` is 0 in the body, and put back after."""
+    modules = list(modules)
+    saved = [m.p for m in modules]
+    for m in modules:
+        m.p = 0.0
+    try:
+        yield
+    finally:
+        for m, p in zip(modules, saved):
+            m.p = p
+
+
+def dropout_modules(module: torch.nn.Module, recurse: bool = True) -> list[torch.nn.Module]:
+    """``module``'s dropout modules (all of them, or its direct children)."""
+    found = module.modules() if recurse else module.children()
+    return [m for m in found if isinstance(m, torch.nn.modules.dropout._DropoutNd)]
+
+
+@contextlib.contextmanager
 def dropout_off(model: torch.nn.Module) -> Iterator[None]:
     """An eager model's dropout off for a deterministic run: its dropout modules' ``p`` is 0,
     ``torch.nn.functional``'s dropouts are the identity, and :class:`dropout_disabled` takes what
@@ -131,21 +151,15 @@ def dropout_off(model: torch.nn.Module) -> Iterator[None]:
     forward but drew a mask in the recompute saved tensors the forward had not (its metadata
     check failed: GPT-2, BERT, OPT with their default dropout under gradient checkpointing could
     not be optimized). Only for the eager model's runs: nothing is compiled while they run."""
-    modules = [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)]
-    saved = [m.p for m in modules]
     functions = {name: getattr(F, name) for name in _FUNCTIONAL_DROPOUTS if hasattr(F, name)}
-    for m in modules:
-        m.p = 0.0
     for name in functions:
         setattr(F, name, _identity_dropout)
     try:
-        with dropout_disabled():
+        with dropout_modules_off(dropout_modules(model)), dropout_disabled():
             yield
     finally:
         for name, fn in functions.items():
             setattr(F, name, fn)
-        for m, p in zip(modules, saved):
-            m.p = p
 
 
 def flatten_output(output: Any) -> list[tuple[str, torch.Tensor]]:

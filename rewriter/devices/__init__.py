@@ -6,6 +6,7 @@ it offers (:mod:`~rewriter.devices.backends`, gated on the chip and torch_npu re
 (:mod:`~rewriter.devices.executors`) and their persistent caches
 (:mod:`~rewriter.devices.compile_cache`), mixed precision (:mod:`~rewriter.devices.amp`), fused
 optimizers (:mod:`~rewriter.devices.optimizers`), host settings (:mod:`~rewriter.devices.host`),
-the CPU it runs on (:mod:`~rewriter.devices.cpu_identity`), one plan for every rank (:mod:`~rewriter.devices.distributed`) and, for a model already sharded
-by FSDP2, its parameters gathered while deciding (:mod:`~rewriter.devices.gathered`).
+the CPU it runs on (:mod:`~rewriter.devices.cpu_identity`), one plan for every rank
+(:mod:`~rewriter.devices.distributed`) and, for a model already sharded by FSDP2, its parameters
+gathered while deciding (:mod:`~rewriter.devices.gathered`).
 """
