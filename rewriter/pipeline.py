@@ -45,8 +45,9 @@ from rewriter.decide.job import Job, switched
 from rewriter.decide.kept import KeptPass, apply_kept, build, overlay_for
 from rewriter.decide.knowledge import KnowledgeBase
 from rewriter.decide.optimizer_gate import gate_optimizer
+from rewriter.decide.optimizer_gate import saved_ms as optimizer_saved_ms
 from rewriter.decide.reference import Reference
-from rewriter.decide.regions import RegionDecisions, _saved
+from rewriter.decide.regions import RegionDecisions
 from rewriter.decide.replay import PlanReplay, replay_on_slot
 from rewriter.decide.state import preserved_state
 from rewriter.decide.step import StepDecisions
@@ -371,7 +372,7 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
             self.snapshot.restore()
             if self.fused_opt is not None:
                 self.units.append(KeptUnit("fuse_optimizer", None, d.speedup, d.noise,
-                                           _saved(d.measurement), 1))
+                                           optimizer_saved_ms(d.measurement), 1))
         self.report.decisions.append(d)
         log.info("rewriter: optimizer: %s: %s", d.status, d.reason)
 

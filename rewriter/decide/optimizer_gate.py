@@ -2,7 +2,10 @@
 
 The update runs on scratch copies of the parameters, gradients and state (the user's are not
 touched): first 5 steps from the same state must give the same parameters as the original
-optimizer, then the two steps are timed side by side like any other candidate::
+optimizer, then the two steps are timed side by side like any other candidate. Both run on one
+instance of each distinct repeated block and the parameters outside the blocks
+(``rewriter.decide.param_sample``: the decision's cost and memory do not grow with depth); the
+saving is scaled to the whole step::
 
     decision, chosen = gate_optimizer(job, clock, gate_settings, min_speedup, knowledge_base=kb)
 
@@ -16,11 +19,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any
+from typing import Any, Collection
 
 from rewriter.decide.gate import Clock, GateSettings, Step, decide, known_verdict, measure
 from rewriter.decide.job import Job
 from rewriter.decide.knowledge import KnowledgeBase, entry_key
+from rewriter.decide.param_sample import sample_parameters
 from rewriter.decide.verify import Tolerance, compare_runs
 from rewriter.devices import optimizers
 from rewriter.report import Decision
@@ -58,7 +62,8 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
                    replace_allowed: bool = True, deadline: float | None = None,
                    knowledge_base: KnowledgeBase | None = None
                    ) -> tuple[Decision, optimizers.OptimizerCandidate | None]:
-    """Try the fused forms of the job's optimizer; the first that passes wins."""
+    """Try the fused forms of the job's optimizer; the first that passes wins. The kept
+    decision's ``measurement["sample"]`` says what it was timed on and the scale to the step."""
     found, why_none = optimizers.candidates(job.optimizer, job.backend)
     if not replace_allowed:
         found = [c for c in found if c.flags is not None]
@@ -66,8 +71,9 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
     if not found:
         return Decision("fuse_optimizer", False, "not applicable", why_none, scope="step"), None
     tried = []
+    sample = sample_parameters(job.optimizer, job.model)
     for cand in found:
-        ok, detail, err = optimizer_numerics(job.optimizer, cand)
+        ok, detail, err = optimizer_numerics(job.optimizer, cand, sample.ids)
         if not ok:
             tried.append(f"{cand.description}: failed verification ({detail})")
             continue
@@ -78,8 +84,8 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
             figures, speedup, noise = known, known["speedup"], known["noise"]
             keep, reason = known_verdict(known, min_speedup, settings.noise_widths)
         else:
-            base, _ = optimizers.scratch_optimizer(job.optimizer, None, seed=1)
-            fused, _ = optimizers.scratch_optimizer(job.optimizer, cand, seed=1)
+            base, _ = optimizers.scratch_optimizer(job.optimizer, None, seed=1, only=sample.ids)
+            fused, _ = optimizers.scratch_optimizer(job.optimizer, cand, seed=1, only=sample.ids)
             # An optimizer step reads only parameters, gradients and state: like a region, it
             # settles within its first calls (the first allocates the state), so it warms up
             # for a region's time, not for a whole step's.
@@ -88,13 +94,16 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
                         Step(fused.step, ("fuse_optimizer",), "fused step", scope="optimizer"),
                         clock=clock, settings=quick, min_speedup=min_speedup, deadline=deadline)
             keep, reason = decide(m, min_speedup, settings.noise_widths)
-            figures = m.to_dict()  # (finite figures or None: a cut-short warm-up has no pair)
+            # (finite figures or None: a cut-short warm-up has no pair)
+            figures = {**m.to_dict(), "sample": sample.to_dict()}
             speedup, noise = figures["speedup"], figures["noise"]
             if knowledge_base is not None and m.storable(settings.min_pairs):
                 knowledge_base.put(key, {**figures, "pass": "fuse_optimizer",
                                          "example": cand.description})
+        on = (figures or {}).get("sample") or {}
+        on = f" (timed on {on['description']}; saving scaled to all)" if on.get("scale", 1) != 1 else ""
         decision = Decision("fuse_optimizer", keep, "kept" if keep else "rejected",
-                            f"{cand.description}, on its own step: {reason}",
+                            f"{cand.description}, on its own step{on}: {reason}",
                             speedup=speedup, noise=noise, max_abs_error=err,
                             sites=[cand.description], measurement=figures, scope="step")
         if keep:
@@ -104,10 +113,19 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
                     sites=[c.description for c in found], scope="step"), None
 
 
-def optimizer_numerics(optimizer, cand: optimizers.OptimizerCandidate) -> tuple[bool, str, float | None]:
+def saved_ms(measurement: dict | None) -> float | None:
+    """The whole step's predicted saving from a decision's figures (timed on a sample: scaled)."""
+    if not measurement or measurement.get("baseline_ms") is None or measurement.get("candidate_ms") is None:
+        return None
+    scale = (measurement.get("sample") or {}).get("scale", 1.0)
+    return (measurement["baseline_ms"] - measurement["candidate_ms"]) * scale
+
+
+def optimizer_numerics(optimizer, cand: optimizers.OptimizerCandidate, only: Collection[int] | None = None
+                       ) -> tuple[bool, str, float | None]:
     try:
-        base, base_params = optimizers.scratch_optimizer(optimizer, None)
-        fused, fused_params = optimizers.scratch_optimizer(optimizer, cand)
+        base, base_params = optimizers.scratch_optimizer(optimizer, None, only=only)
+        fused, fused_params = optimizers.scratch_optimizer(optimizer, cand, only=only)
         for _ in range(OPTIMIZER_STEPS):
             base.step()
             fused.step()

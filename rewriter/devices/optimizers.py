@@ -29,7 +29,7 @@ import importlib
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 
@@ -218,20 +218,26 @@ def _apex_candidates(optimizer: torch.optim.Optimizer, name: str, backend: Backe
 
 # --- scratch copies for measuring -------------------------------------------------------------
 
-def scratch_copy(optimizer: torch.optim.Optimizer, seed: int = 0) -> tuple[list[dict], dict, list[torch.Tensor]]:
+def scratch_copy(optimizer: torch.optim.Optimizer, seed: int = 0, only: Collection[int] | None = None
+                 ) -> tuple[list[dict], dict, list[torch.Tensor]]:
     """Param groups over cloned parameters (with fixed random gradients), the state mapped onto
-    them, and the clones. The user's parameters and state are not touched."""
+    them, and the clones. The user's parameters and state are not touched. ``only``: the ids of
+    the parameters to copy (None: all); a group left with none is dropped."""
     gen = torch.Generator().manual_seed(seed)
     mapping: dict[int, torch.Tensor] = {}
     groups, clones = [], []
     for g in optimizer.param_groups:
         params = []
         for p in g["params"]:
+            if only is not None and id(p) not in only:
+                continue
             c = p.detach().clone().requires_grad_(p.requires_grad)
             c.grad = (torch.randn(p.shape, generator=gen, dtype=torch.float32) * 1e-2).to(p.device, p.dtype)
             mapping[id(p)] = c
             params.append(c)
             clones.append(c)
+        if not params:
+            continue
         groups.append({**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}, "params": params})
     state = {mapping[id(p)]: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
                               for k, v in st.items()}
@@ -240,9 +246,11 @@ def scratch_copy(optimizer: torch.optim.Optimizer, seed: int = 0) -> tuple[list[
 
 
 def scratch_optimizer(optimizer: torch.optim.Optimizer, candidate: OptimizerCandidate | None,
-                      seed: int = 0) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
-    """The user's optimizer (candidate None) or a candidate, over scratch copies, same state."""
-    groups, state, clones = scratch_copy(optimizer, seed)
+                      seed: int = 0, only: Collection[int] | None = None
+                      ) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+    """The user's optimizer (candidate None) or a candidate, over scratch copies (of the
+    parameters ``only`` names, or all), same state."""
+    groups, state, clones = scratch_copy(optimizer, seed, only)
     if candidate is None:
         opt = type(optimizer)(groups)
     else:
