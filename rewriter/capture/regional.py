@@ -31,7 +31,7 @@ from rewriter.capture import code_entries
 from rewriter.capture.blocks import unwrapped_class
 from rewriter.capture.front_ends import DynamoCapture, _unlogged_trace_headers_skipped, _weak_backend
 from rewriter.capture.install import FLAG, hooks_of, install
-from rewriter.decide.verify import dropout_modules, dropout_modules_off
+from rewriter.decide.verify import FUNCTIONAL_DROPOUTS, dropout_modules, dropout_modules_off
 
 
 class RegionalCapture(DynamoCapture):
@@ -257,23 +257,39 @@ def _not_inlined_forward(holder: nn.Module, capture: Any = None) -> Any:
     """``holder``'s forward, bound, as torch._dynamo.disable(recursive=False) makes it: run as
     Python, its callees traced as frames of their own, never inlined into its caller's trace.
 
-    Dropout modules it calls directly (GPT-2's embedding dropout) run eagerly there, outside
-    every graph, so the numerics check's switch (``deterministic``, which turns dropout off in
-    the graphs) would miss them: while ``capture`` (a weak reference) runs deterministic, their
-    ``p`` is 0. They are never traced, so nothing guards on ``p``."""
-    fn = torch._dynamo.disable(unwrapped_class(holder).forward, recursive=False)
+    Dropout it runs itself (GPT-2's embedding dropout module, BART's ``F.dropout(x, p,
+    training=self.training)``) runs eagerly there, outside every graph, so the numerics check's
+    switch (``deterministic``, which turns dropout off in the graphs) would miss it: while
+    ``capture`` (a weak reference) runs deterministic, its direct dropout modules' ``p`` is 0
+    and, if its code names a functional dropout, its own ``training`` is False (the module's
+    flag only, not its children's). Never traced, so nothing guards on them; a torch-function
+    mode or a patched ``F.dropout`` would be seen by the frames it calls, and Dynamo compiled
+    them again for it."""
+    forward_fn = unwrapped_class(holder).forward
+    fn = torch._dynamo.disable(forward_fn, recursive=False)
     dropouts = dropout_modules(holder, recurse=False)
-    if not dropouts or capture is None:
+    functional = _names_functional_dropout(forward_fn)
+    if not (dropouts or functional) or capture is None:
         return types.MethodType(fn, holder)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         cap = capture()
         if cap is None or not cap.switch.deterministic:
             return fn(self, *args, **kwargs)
-        with dropout_modules_off(dropouts):
-            return fn(self, *args, **kwargs)
-    functools.update_wrapper(forward, unwrapped_class(holder).forward)
+        training = self.training
+        self.training = training and not functional
+        try:
+            with dropout_modules_off(dropouts):
+                return fn(self, *args, **kwargs)
+        finally:
+            self.training = training
+    functools.update_wrapper(forward, forward_fn)
     return types.MethodType(torch._dynamo.disable(forward, recursive=False), holder)
+
+
+def _names_functional_dropout(fn: Any) -> bool:
+    code = getattr(inspect.unwrap(fn), "__code__", None)  # (transformers decorates forwards)
+    return code is not None and bool(set(code.co_names) & set(FUNCTIONAL_DROPOUTS))
 
 
 def _drop_forwards(not_inlined: list[Any]) -> None:

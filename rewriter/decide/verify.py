@@ -114,7 +114,7 @@ class dropout_disabled(TorchFunctionMode):
 
 
 # The functional dropouts, as torch.nn.functional names them.
-_FUNCTIONAL_DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+FUNCTIONAL_DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
                         "feature_alpha_dropout")
 
 
@@ -151,12 +151,18 @@ def dropout_off(model: torch.nn.Module) -> Iterator[None]:
     forward but drew a mask in the recompute saved tensors the forward had not (its metadata
     check failed: GPT-2, BERT, OPT with their default dropout under gradient checkpointing could
     not be optimized). Only for the eager model's runs: nothing is compiled while they run."""
-    functions = {name: getattr(F, name) for name in _FUNCTIONAL_DROPOUTS if hasattr(F, name)}
+    with functional_dropout_off(), dropout_modules_off(dropout_modules(model)), dropout_disabled():
+        yield
+
+
+@contextlib.contextmanager
+def functional_dropout_off() -> Iterator[None]:
+    """``torch.nn.functional``'s dropouts are the identity in the body."""
+    functions = {name: getattr(F, name) for name in FUNCTIONAL_DROPOUTS if hasattr(F, name)}
     for name in functions:
         setattr(F, name, _identity_dropout)
     try:
-        with dropout_modules_off(dropout_modules(model)), dropout_disabled():
-            yield
+        yield
     finally:
         for name, fn in functions.items():
             setattr(F, name, fn)
