@@ -48,6 +48,7 @@ from rewriter.decide.knowledge import entry_key
 from rewriter.decide.run_view import RunView
 from rewriter.decide.verify import compare_runs, dropout_disabled, tolerance_for
 from rewriter.devices.compile_cache import cache_folder, is_warm, use_persistent_cache
+from rewriter.devices.isa_probes import start_vec_isa_probes
 from rewriter.devices.executors import (
     CompiledOriginal,
     Executor,
@@ -325,6 +326,8 @@ class CompileGate:
         while the rewrites stay kept (:class:`CompiledOriginal`)."""
         r = self.run
         t0 = time.perf_counter()
+        if ex.backend == "inductor" and r.job.backend.name == "cpu":
+            start_vec_isa_probes()  # a cold Inductor builds a test program per ISA: side by side
         if original:
             try:
                 with r._phase("compile"):
