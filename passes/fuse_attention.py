@@ -55,7 +55,8 @@ boolean fill value is very negative (<= -1e4: its exp underflows against ordinar
 scale follows a mask, q/k/v share a dtype, and every mask broadcasts to the scores. A matched
 form that cannot be fused is declined through ``ctx.decline`` with the reason.
 Contract: exact (the fused kernel reorders the softmax reduction: fp32 rounding only).
-Devices: cpu, cuda (SDPA), npu (npu_fusion_attention in training, SDPA in inference).
+Devices: cpu, cuda (SDPA), npu (npu_fusion_attention in training, SDPA in inference, a decode
+step's as npu_fused_infer_attention_score: rewriter.devices.npu_decode_attention).
 """
 from __future__ import annotations
 

@@ -17,6 +17,11 @@ without an NPU. It emulates one chip model and one torch_npu version, given to
   B1SS, 11SS or SS (sparse_mode 2: the compressed 2048x2048 triu mask); ``scale`` defaults to
   1.0; query heads 1-256, a multiple of the key heads; key and value of one shape; Dq == Dk <=
   768; ``keep_prob`` in (0, 1]; layouts BNSD, BSND, BSH; returns the 7-tuple.
+* ``npu_fused_infer_attention_score`` (§1.2): BNSD, ``sparse_mode`` 0; fp16/bf16, contiguous
+  inputs; ``num_heads`` the query's heads (<= 256), ``num_key_value_heads`` the key's (a divisor,
+  at most 64 query heads each); a bool/int8/uint8 mask ending in (Sq, Skv), True = masked out;
+  products A2/A3; its scale keyword is ``scale_value`` before TorchNPU 7.0.0 and ``scale`` after;
+  no backward (called with grad on inputs that require it, it raises); returns (out, lse).
 * ``optim.NpuFusedAdam`` / ``NpuFusedAdamW`` (§2.1): the documented constructors and
   constraints, and the update as ``torch_npu/optim/npu_fused_adamw.py`` runs it: the group's
   step counter is the first parameter's ``state['step']`` object, incremented once through
@@ -162,6 +167,76 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     return out, stats, stats, torch.empty(0, device=q.device), 0, 0, 0
 
 
+def _fused_infer_attention(query, key, value, scale, atten_mask, num_heads, pre_tokens, next_tokens,
+                           input_layout, num_key_value_heads, sparse_mode, inner_precise,
+                           softmax_lse_flag, pse_shift, actual_seq_lengths, actual_seq_lengths_kv):
+    op = "npu_fused_infer_attention_score"
+    _products(op, ("A2", "A3"))  # Atlas A2 training / 800I A2, A3 (torchair's FIA page)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        # no backward (§1.2): torch warns "an autograd kernel was not registered" and the
+        # gradient is silently wrong; the shim refuses instead
+        raise RuntimeError(f"{op}: an autograd kernel was not registered to the Autograd key(s) "
+                           "(inference only: call it under torch.no_grad())")
+    if (pse_shift is not None or actual_seq_lengths is not None or actual_seq_lengths_kv is not None
+            or sparse_mode != 0 or input_layout != "BNSD" or softmax_lse_flag):
+        raise NotImplementedError("shim: only BNSD, sparse_mode 0, no pse_shift/actual lengths/lse")
+    _on_one_device(op, query, key=key, value=value, atten_mask=atten_mask)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _dtypes(f"{op} {name}", t, {_F16, _BF16})
+        if not t.is_contiguous():
+            raise RuntimeError(f"{op}: {name} is not contiguous (non-contiguous tensors are not supported)")
+        if t.dim() != 4:
+            raise RuntimeError(f"{op}: BNSD {name} must be 4-D, got {tuple(t.shape)}")
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(f"{op}: query, key, value must share a dtype")
+    b, n, sq, d = query.shape
+    nkv = num_key_value_heads or num_heads
+    if num_heads != n or key.shape[1] != nkv or n % nkv or n // nkv > 64 or n > 256:
+        raise RuntimeError(f"{op}: num_heads {num_heads} / num_key_value_heads {num_key_value_heads} do not "
+                           f"match q {tuple(query.shape)}, k {tuple(key.shape)} (N <= 256, N % Nkv == 0, N / Nkv <= 64)")
+    if key.shape != value.shape or key.shape[0] != b or key.shape[-1] != d:
+        raise RuntimeError(f"{op}: key {tuple(key.shape)} and value {tuple(value.shape)} do not fit q {tuple(query.shape)}")
+    skv = key.shape[2]
+    if atten_mask is not None:
+        _dtypes(op + " atten_mask", atten_mask, (torch.bool, torch.int8, torch.uint8))
+        if tuple(atten_mask.shape[-2:]) != (sq, skv):
+            raise RuntimeError(f"{op}: atten_mask {tuple(atten_mask.shape)} must end in (Sq, Skv) = ({sq}, {skv})")
+    with torch.no_grad():
+        rep = n // nkv
+        k, v = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+        scores = (query.float() @ k.float().transpose(-2, -1)) * scale
+        if atten_mask is not None:
+            scores = scores.masked_fill(atten_mask.bool(), float("-inf"))
+        out = (torch.softmax(scores, dim=-1) @ v.float()).to(query.dtype)
+    return out, torch.empty(0, device=query.device)
+
+
+def _fia_scale_value(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
+                     actual_seq_lengths_kv=None, num_heads=1, scale_value=1.0, pre_tokens=2147483647,
+                     next_tokens=2147483647, input_layout="BSH", num_key_value_heads=0, sparse_mode=0,
+                     inner_precise=0, softmax_lse_flag=False):
+    """FIA up to TorchNPU 6.0.0: the scale is ``scale_value``."""
+    return _fused_infer_attention(query, key, value, scale_value, atten_mask, num_heads, pre_tokens,
+                                  next_tokens, input_layout, num_key_value_heads, sparse_mode,
+                                  inner_precise, softmax_lse_flag, pse_shift, actual_seq_lengths,
+                                  actual_seq_lengths_kv)
+
+
+def _fia_scale(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
+               actual_seq_lengths_kv=None, num_heads=1, scale=1.0, pre_tokens=2147483647,
+               next_tokens=2147483647, input_layout="BSH", num_key_value_heads=0, sparse_mode=0,
+               inner_precise=0, softmax_lse_flag=False):
+    """FIA from TorchNPU 7.0.0: the scale is ``scale``."""
+    return _fused_infer_attention(query, key, value, scale, atten_mask, num_heads, pre_tokens,
+                                  next_tokens, input_layout, num_key_value_heads, sparse_mode,
+                                  inner_precise, softmax_lse_flag, pse_shift, actual_seq_lengths,
+                                  actual_seq_lengths_kv)
+
+
+for _fia in (_fia_scale_value, _fia_scale):
+    _fia.__name__ = _fia.__qualname__ = "npu_fused_infer_attention_score"  # as graphs print it
+
+
 class _Activity:
     CPU = torch.profiler.ProfilerActivity.CPU
     NPU = torch.profiler.ProfilerActivity.CPU  # the shim's "device" is the CPU
@@ -194,6 +269,8 @@ def as_module(chip: str = A2_CHIP, version: str = NEWEST_VERSION) -> types.Modul
     for op in (npu_fusion_attention,) + _FUSED_OPS:
         if _RELEASE_OF[version] >= _SINCE.get(op.__name__, (0,)):
             setattr(mod, op.__name__, op)
+    # FIA's scale keyword: scale_value up to TorchNPU 6.0.0, scale from 7.0.0 (§1.2)
+    mod.npu_fused_infer_attention_score = _fia_scale if _RELEASE_OF[version] >= (7, 0, 0) else _fia_scale_value
     mod.npu = npu
     mod.profiler = profiler
     mod.optim = optim

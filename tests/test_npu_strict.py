@@ -437,3 +437,96 @@ def test_declined_sites_reach_the_report(emulate):
                              gate=QUICK, progress=False, profile=False)
     d = fast.report.decisions[0]
     assert d.status == "no sites" and "needs D == 128" in d.reason
+
+
+# --- the decode step's attention: npu_fused_infer_attention_score (FIA) ------------------------
+
+class DecodeAttention(nn.Module):
+    """A decode step: a one-token query, the cached k/v repeated for grouped-query attention as
+    transformers' ``repeat_kv`` does, a padding mask filled with fp16's minimum."""
+
+    def __init__(self, rep=2, d=16, dtype=torch.float16):
+        super().__init__()
+        self.rep, self.scale, self.dtype = rep, d ** -0.5, dtype
+
+    def forward(self, q, k, v, keep):
+        b, nkv, s, d = k.shape
+        k = k[:, :, None, :, :].expand(b, nkv, self.rep, s, d).reshape(b, nkv * self.rep, s, d)
+        v = v[:, :, None, :, :].expand(b, nkv, self.rep, s, d).reshape(b, nkv * self.rep, s, d)
+        scores = (q @ k.transpose(-2, -1) * self.scale).masked_fill(~keep, -65504.0)  # fp16's min
+        return F.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+def _decode_args(dtype=torch.float16, sq=1, d=16, n=4, nkv=2, s=12):
+    torch.manual_seed(0)
+    q = torch.randn(2, n, sq, d, dtype=dtype)
+    k, v = (torch.randn(2, nkv, s, d, dtype=dtype) for _ in range(2))
+    keep = torch.ones(2, 1, sq, s, dtype=torch.bool)
+    keep[1, ..., :3] = False  # the second sequence is left-padded
+    return q, k, v, keep
+
+
+def test_decode_attention_form(npu_target):
+    """A2 (TorchNPU 6.0.0, where the scale is ``scale_value``, and 26.1.0, ``scale``): FIA with
+    the grouped k/v as they are; the 310P part keeps SDPA (FIA is documented for A2/A3)."""
+    shim, chip = npu_target
+    model, args = DecodeAttention(), _decode_args()
+    cap, sites = rewrite(model, args, "fuse_attention", training=False, backend=NpuBackend())
+    assert len(sites) == 1
+    text = code(cap)
+    if chip == P310:
+        assert "npu_fused_infer_attention_score" not in text and "scaled_dot_product_attention" in text
+        return
+    assert "npu_fused_infer_attention_score" in text  # (the shim checks k's heads against num_key_value_heads)
+    import inspect
+    keyword = "scale" if "scale" in inspect.signature(shim.npu_fused_infer_attention_score).parameters \
+        else "scale_value"
+    assert f"{keyword} = 0.25" in text and "num_key_value_heads = 2" in text
+    with torch.no_grad():
+        torch.testing.assert_close(cap(*args), model(*args), rtol=2e-3, atol=2e-3)  # fp16, 12 keys
+    with torch.no_grad():
+        on_meta(cap, args, training=False)  # every tensor on the inputs' device
+
+
+@pytest.mark.parametrize("case, kept", [
+    ("prefill", "scaled_dot_product_attention"),   # a query of 8 tokens: not a decode step
+    ("fp32", "scaled_dot_product_attention"),      # FIA takes fp16/bf16 only
+    ("head_dim_8", "scaled_dot_product_attention"),  # D must be a multiple of 16
+    ("training", "npu_fusion_attention"),          # FIA has no backward
+])
+def test_fia_only_where_it_serves(emulate, case, kept):
+    emulate(A2, npu_shim.NEWEST_VERSION)
+    args = {"prefill": lambda: _decode_args(sq=8), "fp32": lambda: _decode_args(torch.float32),
+            "head_dim_8": lambda: _decode_args(d=8), "training": lambda: _decode_args()}[case]()
+    cap, sites = rewrite(DecodeAttention(d=args[0].shape[-1], dtype=args[0].dtype), args, "fuse_attention",
+                         training=case == "training", backend=NpuBackend())
+    text = code(cap)
+    assert len(sites) == 1 and kept in text and "npu_fused_infer_attention_score" not in text
+
+
+def test_fia_scale_keyword_follows_the_release():
+    from rewriter.devices.npu_decode_attention import fia_scale_keyword
+    assert fia_scale_keyword("2.4.0.post2") == "scale_value"   # TorchNPU 6.0.0
+    assert fia_scale_keyword("2.4.0.post4") == "scale"         # 7.0.0
+    assert fia_scale_keyword("2.12.0") == "scale" and fia_scale_keyword("1.11.0") is None
+
+
+def test_shim_enforces_fia_limits(emulate):
+    shim = emulate(A2, npu_shim.OLDEST_VERSION)
+    q, k, v, _ = _decode_args()
+    fia = shim.npu_fused_infer_attention_score
+    with pytest.raises(TypeError, match="scale"):
+        fia(q, k, v, num_heads=4, num_key_value_heads=2, input_layout="BNSD", scale=0.25)  # 7.0.0's name
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        fia(q, k.transpose(-2, -1).contiguous().transpose(-2, -1), v, num_heads=4,
+            num_key_value_heads=2, input_layout="BNSD")
+    with pytest.raises(TypeError, match="not supported"):
+        fia(q.float(), k.float(), v.float(), num_heads=4, num_key_value_heads=2, input_layout="BNSD")
+    with pytest.raises(RuntimeError, match="autograd kernel"):
+        fia(q.requires_grad_(), k, v, num_heads=4, num_key_value_heads=2, input_layout="BNSD")
+    with pytest.raises(RuntimeError, match="must end in"):
+        fia(q.detach(), k, v, num_heads=4, num_key_value_heads=2, input_layout="BNSD",
+            atten_mask=torch.zeros(2, 1, 1, 5, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="not supported on Ascend310P3"):
+        emulate(P310, npu_shim.OLDEST_VERSION).npu_fused_infer_attention_score(
+            q.detach(), k, v, num_heads=4, num_key_value_heads=2, input_layout="BNSD")

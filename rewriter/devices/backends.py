@@ -24,6 +24,7 @@ from torch.fx import Graph, Node
 
 from rewriter.capture.ir import tensor_info
 from rewriter.devices.cpu_identity import cpu_model
+from rewriter.devices.npu_decode_attention import emit_fia, fia_problem, fia_scale_keyword
 from rewriter.devices.npu_capabilities import (
     FA_MAX_HEAD_DIM,
     FA_MAX_HEADS,
@@ -493,12 +494,22 @@ class NpuBackend(Backend):
         return self._npu_call(graph, "npu_confusion_transpose", (x, perm, shape, transpose_first))
 
     # Training uses npu_fusion_attention (FlashAttentionScore). Inference keeps SDPA with a
-    # boolean mask: torch_npu already routes that to its fused kernels (§1.1), and
-    # npu_fusion_attention is documented for training only.
+    # boolean mask (torch_npu routes it to its fused kernels, §1.1), except a decode step's
+    # attention, which goes to FIA (rewriter.devices.npu_decode_attention says why and when).
     def emit_attention(self, graph: Graph, spec: AttentionSpec, training: bool) -> Node:
         keep = spec.keep_mask if spec.keep_mask is not None else spec.bool_of_additive
         if not training:
-            return _emit_sdpa(graph, spec, keep)
+            caps = self.capabilities()
+            if fia_problem(spec, caps, keep) is not None:
+                return _emit_sdpa(graph, spec, keep)
+            masked = None
+            if keep is not None:
+                masked = graph.call_function(torch.logical_not, (keep,))
+                shape = documented_mask_shape(spec.mask_shape, spec.q_shape, spec.k_shape)
+                if shape is not None:
+                    masked = graph.call_method("contiguous", (graph.call_method("expand", (masked, shape)),))
+            return emit_fia(graph, self._torch_npu().npu_fused_infer_attention_score, spec,
+                            fia_scale_keyword(caps.version), masked)  # type: ignore[union-attr, arg-type]
         kwargs: dict[str, Any] = {"scale": spec.scale, "keep_prob": 1.0 - spec.dropout_p}
         if spec.is_causal:
             # Causal: the compressed 2048x2048 upper-triangular mask with sparse_mode=2 (§1.1),

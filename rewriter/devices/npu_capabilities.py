@@ -146,6 +146,11 @@ OPS: dict[str, OpSupport] = {
     "confusion_transpose": OpSupport("npu_confusion_transpose", _ALL_FOUR, frozenset(), "§1.10",
                                      frozenset({torch.float16, torch.float32, torch.int8, torch.int16,
                                                 torch.int32, torch.int64, torch.uint8})),
+    # The decode step's attention (rewriter.devices.npu_decode_attention): FIA, inference only,
+    # fp16/bf16 (§1.2); products Atlas A2 training / 800I A2 and A3 (torchair's FIA page, 7.1.0).
+    "decode_attention": OpSupport("npu_fused_infer_attention_score", _A2_A3, _A2_A3,
+                                  "§1.2, torchair npu_fused_infer_attention_score",
+                                  frozenset({torch.float16, torch.bfloat16})),
     # torch_npu.optim: products Atlas training, A2, A3, not 310P; fp32/fp16 params only (§2.1).
     "fused_optimizer": OpSupport("torch_npu.optim.NpuFused*", frozenset({A2, A3, TRAINING}), frozenset(), "§2.1"),
 }
