@@ -661,6 +661,7 @@ def _negated(graph: Any, fill_mask: Node) -> Node:
 
 class FuseAttention(Pass):
     name = "fuse_attention"
+    version = 2  # the NPU decode step as npu_fused_infer_attention_score
     contract = "exact"
     fused_kind = "attention"
     devices = frozenset({"cpu", "cuda", "npu"})
