@@ -30,6 +30,31 @@ def test_probes_run_side_by_side_off_the_main_thread_and_the_call_does_not_wait(
     assert [f.result(timeout=10) for f in futures] == [True, True] and seen == [False, False]
 
 
+def test_a_failed_probe_is_forgotten_so_inductor_checks_again_and_a_passed_one_is_kept():
+    """Inductor caches each ISA's answer; a probe that failed in our thread (a cache folder
+    removed under it, say) must not leave it believing the ISA absent (a slower one picked)."""
+    import functools
+    asked = []
+
+    class Isa:
+        def __init__(self, ok):
+            self.ok = ok
+
+        @functools.cache  # noqa: B019  (as Inductor's VecISA caches it)
+        def answer(self):
+            asked.append(self.ok)
+            return self.ok
+
+        def __bool__(self):
+            return self.answer()
+    good, bad = Isa(True), Isa(False)
+    assert isa_probes._probe(good) is True and isa_probes._probe(bad) is False
+    assert Isa.answer.cache_info().currsize == 0  # forgotten (the class's cache, both entries)
+    bool(bad)
+    assert asked == [True, False, False]  # asked again
+    assert isa_probes._probe(good) is True and bool(good) and asked == [True, False, False, True]
+
+
 def test_an_unexpected_inductor_layout_leaves_the_probes_to_inductor(monkeypatch):
     def broken():
         raise AttributeError("torch._inductor.cpu_vec_isa has no x86_isa_checker")

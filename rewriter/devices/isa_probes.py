@@ -57,4 +57,23 @@ def start_vec_isa_probes() -> list[concurrent.futures.Future]:
     if _POOL is None:
         _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
                                                       thread_name_prefix="rewriter-isa-probe")
-    return [_POOL.submit(bool, isa) for isa in isas]
+    return [_POOL.submit(_probe, isa) for isa in isas]
+
+
+def _probe(isa: Any) -> bool:
+    """Inductor's own check (it caches the answer). A probe that failed, say because a cache
+    folder went away under it, would leave Inductor believing the ISA absent for the rest of the
+    process, and picking a slower one: a False is forgotten, so Inductor checks again itself."""
+    ok = bool(isa)
+    if not ok:
+        forget_probes(isa)
+    return ok
+
+
+def forget_probes(isa: Any) -> None:
+    """Clear the cached answers of ``isa``'s class (functools caches on its methods)."""
+    for cls in type(isa).__mro__:
+        for attr in vars(cls).values():
+            clear = getattr(attr, "cache_clear", None)
+            if callable(clear):
+                clear()
