@@ -51,6 +51,9 @@ FAMILIES: dict[str, dict] = {
     "BertConfig": {}, "RobertaConfig": {}, "ElectraConfig": dict(embedding_size=128),
     "DistilBertConfig": dict(dim=128, hidden_dim=256, n_layers=2, n_heads=4),
     "ModernBertConfig": dict(global_attn_every_n_layers=1),
+    # BartForCausalLM: F.dropout in the forward that loops over the layers
+    "BartConfig": dict(decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=256,
+                       encoder_ffn_dim=256),
 }
 MASKED_LM = {"BertConfig", "RobertaConfig", "ElectraConfig", "DistilBertConfig", "ModernBertConfig"}
 STEPS, NEW_TOKENS = 3, 8

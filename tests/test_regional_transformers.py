@@ -111,6 +111,16 @@ def test_many_models_optimized_in_one_process_each_keep_their_outer_graphs(monke
     assert [n for _, n in live] == [dropped[0]] * 3, [n for _, n in live]
 
 
+def _same_losses_under_the_same_seeds(ref, fast, inputs, seeds=(1, 2)):
+    """Training losses with dropout on: each seed draws the same masks in both models."""
+    for seed in seeds:
+        torch.manual_seed(seed)
+        want = ref(**inputs).loss
+        torch.manual_seed(seed)
+        got = fast(**inputs).loss
+        assert got.item() == pytest.approx(want.item(), rel=1e-5)
+
+
 def test_gpt2_with_dropout_is_captured_by_blocks_and_trains_as_the_original():
     """GPT-2's embedding dropout runs eagerly in the forward that loops over the blocks, outside
     every graph: the numerics check turns it off there too (it fell back to the whole model),
@@ -126,12 +136,7 @@ def test_gpt2_with_dropout_is_captured_by_blocks_and_trains_as_the_original():
     inputs = {"input_ids": ids, "labels": ids}
     fast = _opt(model, inputs, passes=["fuse_gelu"])
     assert fast.report.front_end == "regional", fast.report.notes
-    for seed in (1, 2):
-        torch.manual_seed(seed)
-        want = ref(**inputs).loss
-        torch.manual_seed(seed)
-        got = fast(**inputs).loss
-        assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    _same_losses_under_the_same_seeds(ref, fast, inputs)
     torch.manual_seed(3)
     dropped = fast(**inputs).loss.item()
     torch.manual_seed(4)
@@ -158,12 +163,7 @@ def test_bart_functional_dropout_in_the_forward_that_loops_over_blocks_is_region
     assert r.front_end == "regional", r.notes
     assert {b["class"] for b in r.blocks} == {"BartEncoderLayer", "BartDecoderLayer"}
     assert model.model.encoder.training and model.model.decoder.training  # put back
-    for seed in (1, 2):
-        torch.manual_seed(seed)
-        want = ref(**inputs).loss
-        torch.manual_seed(seed)
-        got = fast(**inputs).loss
-        assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    _same_losses_under_the_same_seeds(ref, fast, inputs)
 
 
 @pytest.mark.timeout(300)  # wraps an engine (checkpointing): a hang fails the test

@@ -28,6 +28,8 @@ MAX_SAMPLE_SHARE = 0.5
 
 @dataclass(frozen=True)
 class ParamSample:
+    """The parameters (by id) a fused optimizer is decided on, and their share of the whole."""
+
     ids: frozenset[int] | None  # None: every parameter
     numel: int
     total_numel: int

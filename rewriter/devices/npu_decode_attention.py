@@ -63,6 +63,8 @@ def fia_problem(spec: Any, caps: NpuCapabilities | None, keep: Any = None) -> st
     if fia_scale_keyword(caps.version) is None:
         return f"no TorchNPU release known for torch_npu {caps.version}: FIA's scale keyword is unknown"
     q, k, v = spec.q_shape, _grouped(spec, "k"), _grouped(spec, "v")
+    if not k or not v:
+        return "the key/value heads FIA would get are not recorded"
     if not (len(q) == len(k) == len(v) == 4):
         return "FIA is emitted for 4-D (B, N, S, D) q, k, v"
     b, n, sq, d = q
@@ -102,10 +104,13 @@ def emit_fia(graph: Graph, fia: Callable[..., Any], spec: Any, scale_keyword: st
 
 
 def _grouped(spec: Any, which: str) -> tuple[int, ...]:
-    """k's or v's shape as FIA gets it: before repeat_kv where the graph repeated them."""
+    """k's or v's shape as FIA gets it: before repeat_kv where the graph repeated them (empty
+    when that tensor's shape is not recorded, e.g. a node made while rewriting: then declined)."""
     node = getattr(spec, f"{which}_grouped")
-    info = tensor_info(node) if node is not None else None
-    return tuple(info.shape) if info is not None else getattr(spec, f"{which}_shape")
+    if node is None:
+        return getattr(spec, f"{which}_shape")
+    info = tensor_info(node)
+    return tuple(info.shape) if info is not None else ()
 
 
 def _grouped_node(spec: Any, which: str) -> Node:
