@@ -487,3 +487,44 @@ def test_the_forward_calling_the_blocks_is_neither_traced_nor_inlined_until_rest
     assert "forward" not in model.stack.__dict__
     with torch.no_grad():
         torch.testing.assert_close(model(x), want)
+
+
+def test_the_dynamo_settings_of_our_calls_are_made_once_and_put_back_after_each(monkeypatch):
+    """Every call of a captured model and of each installed block enters a Dynamo config patch;
+    torch's patch() defines a class each time, so the patch is made once per limit and entered
+    again (a generation calls the blocks dozens of times a step). Entered nested, from another
+    thread, or after a failure, the user's settings come back."""
+    import threading
+
+    import torch._dynamo.config as dynamo_config
+    torch.manual_seed(0)
+    model, x = Stack(n=3).eval(), torch.randn(8, 16)
+    fast = _opt(model, (x,))
+    cap = fast.__dict__["_outcome"].capture
+    made = []
+    real = type(dynamo_config).patch
+
+    def counted(self, *a, **k):
+        made.append(k)
+        return real(self, *a, **k)
+    monkeypatch.setattr(type(dynamo_config), "patch", counted)
+    before = dynamo_config.recompile_limit
+    for _ in range(3):
+        assert _calls(lambda: fast(x)) == 3
+    assert made == [] and dynamo_config.recompile_limit == before  # reused, and put back
+    outer = cap.dynamo_settings(recompile_limit=before + 7)
+    assert cap.dynamo_settings(recompile_limit=before + 7) is outer
+    seen = []
+    with outer:
+        with outer:  # nested: the same object entered twice
+            seen.append(dynamo_config.recompile_limit)
+        seen.append(dynamo_config.recompile_limit)
+        worker = threading.Thread(target=lambda: seen.append(dynamo_config.recompile_limit))
+        worker.start()
+        worker.join()
+    # (another thread does not see this one's settings)
+    assert seen[:2] == [before + 7, before + 7] and seen[2] != before + 7
+    assert dynamo_config.recompile_limit == before
+    with pytest.raises(ZeroDivisionError), outer:
+        1 / 0
+    assert dynamo_config.recompile_limit == before

@@ -224,8 +224,7 @@ class _BlockRunner:
         if self._hooked_inside(module):
             return forward(module, *args, **kwargs)
         args, kwargs = _one_layer_caches(args, kwargs, self.layer_idx.get(id(module)))
-        with torch._dynamo.config.patch(ignore_logging_functions=self.cap._ignored_logging,
-                                        recompile_limit=BLOCK_SIGNATURES), \
+        with self.cap.dynamo_settings(recompile_limit=BLOCK_SIGNATURES), \
                 _unlogged_trace_headers_skipped(), code_entries.calling(self.cap):
             return self.compiled(module, forward, args, kwargs)
 
