@@ -76,15 +76,32 @@ def test_a_parameter_tied_across_instances_and_one_the_model_does_not_hold_are_k
     assert id(model.layers[3].up.weight) not in s.ids
 
 
+def test_frozen_layers_are_not_taken_for_the_trained_ones_and_each_group_is_kept():
+    """Fine-tuning the last layers: the first instance is frozen (the optimizer holds none of its
+    parameters), so the sample takes a trained one; per-layer groups (layer-wise learning rates)
+    are layouts of their own."""
+    model = Deep(depth=8)
+    for layer in model.layers[:4]:
+        layer.requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    s = sample_parameters(torch.optim.AdamW(trained), model)
+    assert {id(p) for p in model.layers[4].parameters()} <= s.ids
+    assert not {id(p) for p in model.layers[5].parameters()} & s.ids
+    assert s.numel == _numel([*model.emb.parameters(), *model.layers[4].parameters(), *model.head.parameters()])
+    assert s.scale == pytest.approx(_numel(trained) / s.numel)
+    per_layer = [{"params": layer.parameters(), "lr": 1e-3 * 0.9 ** i} for i, layer in enumerate(model.layers)]
+    s = sample_parameters(torch.optim.AdamW(per_layer), model)
+    assert s.ids is None  # eight groups: eight layouts, nothing to leave out
+
+
 def test_scratch_copies_are_of_the_sample_only_and_drop_groups_left_empty():
     model = Deep(depth=8)
     opt = torch.optim.AdamW([{"params": model.layers[4:].parameters(), "lr": 1e-3},
                              {"params": [*model.emb.parameters(), *model.layers[:4].parameters()]}])
-    s = sample_parameters(opt, model)
-    scratch, clones = optimizers.scratch_optimizer(opt, None, only=s.ids)
-    # the group of layers 4-7 is left empty by the sample: dropped; the other one is whole
-    assert len(scratch.param_groups) == 1 and scratch.param_groups[0]["lr"] == opt.param_groups[1]["lr"]
     want = [*model.emb.parameters(), *model.layers[0].parameters()]
+    scratch, clones = optimizers.scratch_optimizer(opt, None, only={id(p) for p in want})
+    # the first group has nothing left: dropped; the other keeps its own settings
+    assert len(scratch.param_groups) == 1 and scratch.param_groups[0]["lr"] == opt.param_groups[1]["lr"]
     assert len(clones) == len(want) == 5
     for c, p in zip(clones, want):
         assert c is not p and torch.equal(c, p)

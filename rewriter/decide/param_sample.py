@@ -44,13 +44,19 @@ class ParamSample:
                 "description": self.description}
 
 
-def _layout(m: nn.Module) -> tuple:
-    return tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters())
+def _layout(m: nn.Module, group_of: dict[int, int]) -> tuple:
+    """What an instance's update depends on: for each of its parameters the optimizer holds,
+    its name, shape, dtype, device and param group (its hyper-parameters and kernel flags)."""
+    return tuple((n, tuple(p.shape), p.dtype, str(p.device), group_of[id(p)])
+                 for n, p in m.named_parameters() if id(p) in group_of)
 
 
 def sample_parameters(optimizer: torch.optim.Optimizer, model: nn.Module | None) -> ParamSample:
-    """One instance of each (block class, parameter layout) and every parameter outside them."""
+    """One instance of each (block class, layout of its optimized parameters) and every
+    parameter outside them. Instances the optimizer holds nothing of (frozen layers) are not
+    taken for the others."""
     params = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
     total = sum(p.numel() for p in params.values())
     whole = ParamSample(None, total, total)
     if model is None or not params:
@@ -63,8 +69,8 @@ def sample_parameters(optimizer: torch.optim.Optimizer, model: nn.Module | None)
         for _, m in b.instances:
             mine = {id(p) for p in m.parameters()}
             in_blocks |= mine
-            layout = _layout(m)
-            if layout not in seen:
+            layout = _layout(m, group_of)
+            if layout and layout not in seen:
                 seen.add(layout)
                 kept |= mine
         kept_names.append(f"{len(seen)} of {len(b.instances)} {b.name}")
