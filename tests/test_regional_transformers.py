@@ -166,6 +166,32 @@ def test_bart_functional_dropout_in_the_forward_that_loops_over_blocks_is_region
     _same_losses_under_the_same_seeds(ref, fast, inputs)
 
 
+def test_only_a_functional_dropout_call_turns_the_forwards_training_off_for_the_check():
+    """An attribute named ``dropout`` is not a functional dropout: Wav2Vec2's encoder calls a
+    dropout module and reads ``self.training`` for its layerdrop, which must stay as it is."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from rewriter.capture.regional import _names_functional_dropout
+
+    def functional(self, x):
+        return F.dropout(x, self.dropout, self.training)
+
+    def spelled_out(self, x):
+        return nn.functional.dropout(x, p=0.1, training=self.training)
+
+    def module(self, x):
+        return self.dropout(x)
+
+    def float_p(self, x):
+        return self.layer(x, p=self.dropout)
+    assert _names_functional_dropout(functional) and _names_functional_dropout(spelled_out)
+    assert not _names_functional_dropout(module) and not _names_functional_dropout(float_p)
+    from transformers.models.wav2vec2.modeling_wav2vec2 import Wav2Vec2Encoder
+    assert not _names_functional_dropout(Wav2Vec2Encoder.forward)
+    assert _names_functional_dropout(transformers.models.bart.modeling_bart.BartEncoder.forward)
+
+
 @pytest.mark.timeout(300)  # wraps an engine (checkpointing): a hang fails the test
 def test_gpt2_with_dropout_under_gradient_checkpointing_is_optimized():
     """The reference run turned dropout off as a torch-function mode, which checkpointing's

@@ -15,6 +15,7 @@ block is a call. The pipeline decides on these graphs as on any capture's::
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import inspect
 import types
@@ -287,8 +288,18 @@ def _not_inlined_forward(holder: nn.Module, capture: Any = None) -> Any:
 
 
 def _names_functional_dropout(fn: Any) -> bool:
+    """Whether ``fn``'s code calls a functional dropout: ``functional.dropout`` / ``F.dropout``
+    (and the other functional dropouts) as an attribute of torch.nn.functional as it is
+    spelled, not any attribute named ``dropout`` (``self.dropout(x)``, a module, or
+    ``p=self.dropout``, a float: Wav2Vec2's encoder has both, and its layerdrop reads
+    ``self.training``, which must stay as it is)."""
     code = getattr(inspect.unwrap(fn), "__code__", None)  # (transformers decorates forwards)
-    return code is not None and bool(set(code.co_names) & set(FUNCTIONAL_DROPOUTS))
+    if code is None or not set(code.co_names) & set(FUNCTIONAL_DROPOUTS):
+        return False
+    ins = list(dis.get_instructions(code))
+    return any(b.argval in FUNCTIONAL_DROPOUTS and b.opname.startswith("LOAD_")
+               and a.opname.startswith("LOAD_") and a.argval in ("functional", "F")
+               for a, b in zip(ins, ins[1:]))
 
 
 def _drop_forwards(not_inlined: list[Any]) -> None:
