@@ -19,7 +19,8 @@ without an NPU. It emulates one chip model and one torch_npu version, given to
   768; ``keep_prob`` in (0, 1]; layouts BNSD, BSND, BSH; returns the 7-tuple.
 * ``npu_fused_infer_attention_score`` (§1.2): BNSD, ``sparse_mode`` 0; fp16/bf16, contiguous
   inputs; ``num_heads`` the query's heads (<= 256), ``num_key_value_heads`` the key's (a divisor,
-  at most 64 query heads each); a bool/int8/uint8 mask ending in (Sq, Skv), True = masked out;
+  at most 64 query heads each); a bool/int8/uint8 mask ending in (Sq, Skv) (for a one-token
+  query (B, KV_S), (B, 1, KV_S) or (B, 1, 1, KV_S)), True = masked out;
   products A2/A3; its scale keyword is ``scale_value`` before TorchNPU 7.0.0 and ``scale`` after;
   no backward (called with grad on inputs that require it, it raises); returns (out, lse).
 * ``optim.NpuFusedAdam`` / ``NpuFusedAdamW`` (§2.1): the documented constructors and
@@ -201,6 +202,9 @@ def _fused_infer_attention(query, key, value, scale, atten_mask, num_heads, pre_
         _dtypes(op + " atten_mask", atten_mask, (torch.bool, torch.int8, torch.uint8))
         if tuple(atten_mask.shape[-2:]) != (sq, skv):
             raise RuntimeError(f"{op}: atten_mask {tuple(atten_mask.shape)} must end in (Sq, Skv) = ({sq}, {skv})")
+        if sq == 1 and tuple(atten_mask.shape) not in ((b, skv), (b, 1, skv), (b, 1, 1, skv)):
+            raise RuntimeError(f"{op}: a one-token query's atten_mask is (B, KV_S), (B, 1, KV_S) or "
+                               f"(B, 1, 1, KV_S), got {tuple(atten_mask.shape)}")
     with torch.no_grad():
         rep = n // nkv
         k, v = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)

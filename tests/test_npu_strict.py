@@ -493,11 +493,21 @@ def test_decode_attention_form(npu_target):
     ("fp32", "scaled_dot_product_attention"),      # FIA takes fp16/bf16 only
     ("head_dim_8", "scaled_dot_product_attention"),  # D must be a multiple of 16
     ("training", "npu_fusion_attention"),          # FIA has no backward
+    ("grad", "scaled_dot_product_attention"),      # eval, but a query that requires grad
+    ("per_head_mask", "scaled_dot_product_attention"),  # not one of FIA's one-token mask shapes
 ])
 def test_fia_only_where_it_serves(emulate, case, kept):
     emulate(A2, npu_shim.NEWEST_VERSION)
+
+    def per_head():
+        q, k, v, _ = _decode_args()
+        keep = torch.rand(2, 4, 1, 12) > 0.3
+        keep[..., 0] = True
+        return q, k, v, keep
     args = {"prefill": lambda: _decode_args(sq=8), "fp32": lambda: _decode_args(torch.float32),
-            "head_dim_8": lambda: _decode_args(d=8), "training": lambda: _decode_args()}[case]()
+            "head_dim_8": lambda: _decode_args(d=8), "training": lambda: _decode_args(),
+            "grad": lambda: (_decode_args()[0].requires_grad_(),) + _decode_args()[1:],
+            "per_head_mask": per_head}[case]()
     cap, sites = rewrite(DecodeAttention(d=args[0].shape[-1], dtype=args[0].dtype), args, "fuse_attention",
                          training=case == "training", backend=NpuBackend())
     text = code(cap)
@@ -530,3 +540,17 @@ def test_shim_enforces_fia_limits(emulate):
     with pytest.raises(RuntimeError, match="not supported on Ascend310P3"):
         emulate(P310, npu_shim.OLDEST_VERSION).npu_fused_infer_attention_score(
             q.detach(), k, v, num_heads=4, num_key_value_heads=2, input_layout="BNSD")
+
+
+def test_fia_gets_its_one_token_mask_shape_from_a_mask_written_for_every_batch(emulate):
+    """A (1, KV_S) mask (one for all sequences) is expanded to (B, 1, 1, KV_S): FIA would read a
+    2-D mask as (B, KV_S)."""
+    emulate(A2, npu_shim.NEWEST_VERSION)
+    q, k, v, _ = _decode_args()
+    keep = torch.ones(1, 12, dtype=torch.bool)
+    keep[0, :2] = False
+    model, args = DecodeAttention(), (q, k, v, keep)
+    cap, sites = rewrite(model, args, "fuse_attention", training=False, backend=NpuBackend())
+    assert len(sites) == 1 and "npu_fused_infer_attention_score" in code(cap)
+    with torch.no_grad():
+        torch.testing.assert_close(cap(*args), model(*args), rtol=2e-3, atol=2e-3)

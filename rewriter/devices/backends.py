@@ -24,7 +24,7 @@ from torch.fx import Graph, Node
 
 from rewriter.capture.ir import tensor_info
 from rewriter.devices.cpu_identity import cpu_model
-from rewriter.devices.npu_decode_attention import emit_fia, fia_problem, fia_scale_keyword
+from rewriter.devices.npu_decode_attention import emit_fia, fia_mask_shape, fia_problem, fia_scale_keyword
 from rewriter.devices.npu_capabilities import (
     FA_MAX_HEAD_DIM,
     FA_MAX_HEADS,
@@ -503,11 +503,9 @@ class NpuBackend(Backend):
             if fia_problem(spec, caps, keep) is not None:
                 return _emit_sdpa(graph, spec, keep)
             masked = None
-            if keep is not None:
+            if keep is not None:  # FIA's one-token mask shape, (B, 1, 1, KV_S)
                 masked = graph.call_function(torch.logical_not, (keep,))
-                shape = documented_mask_shape(spec.mask_shape, spec.q_shape, spec.k_shape)
-                if shape is not None:
-                    masked = graph.call_method("contiguous", (graph.call_method("expand", (masked, shape)),))
+                masked = graph.call_method("contiguous", (graph.call_method("expand", (masked, fia_mask_shape(spec))),))
             return emit_fia(graph, self._torch_npu().npu_fused_infer_attention_score, spec,
                             fia_scale_keyword(caps.version), masked)  # type: ignore[union-attr, arg-type]
         kwargs: dict[str, Any] = {"scale": spec.scale, "keep_prob": 1.0 - spec.dropout_p}

@@ -17,7 +17,8 @@ When (that branch's conditions, FIA's docs, reference §1.2)::
     q, k, v 4-D (B, N, S, D)             D a multiple of 16, <= 512   B <= 65536
     query heads <= 256, a multiple of the key heads, at most 64 per key head
     key and value of one shape           no dropout                   not causal
-    a boolean mask (its last two dims Sq and Skv once broadcast) or none
+    a boolean mask the same for every head (given as (B, 1, 1, KV_S)) or none; q, k, v not
+    requiring grad
     the scale a number known when the graph is rewritten (FIA takes a host float)
 
 Products: Atlas A2 training / 800I A2 and Atlas A3 (torchair's FIA page, 7.1.0; torch_npu's
@@ -74,6 +75,12 @@ def fia_problem(spec: Any, caps: NpuCapabilities | None, keep: Any = None) -> st
         return "a causal or dropout attention keeps SDPA"
     if spec.additive_mask is not None and keep is None:
         return "an additive mask that is not a boolean one keeps SDPA"
+    if any(info is not None and info.requires_grad
+           for info in (tensor_info(x) for x in (spec.q, _grouped_node(spec, "k"), _grouped_node(spec, "v")))):
+        return "q, k or v requires grad here; FIA has no backward"
+    mask = spec.mask_shape
+    if keep is not None and mask is not None and len(mask) >= 3 and mask[-3] != 1:
+        return f"a mask that differs per head {list(mask)} is not one of FIA's one-token shapes"
     if not isinstance(spec.scale, (int, float)):
         return "the scale is computed at run time; FIA takes a host float"
     if d % 16 or d > FIA_MAX_HEAD_DIM or k[-1] != d:
@@ -89,10 +96,16 @@ def fia_problem(spec: Any, caps: NpuCapabilities | None, keep: Any = None) -> st
     return None
 
 
+def fia_mask_shape(spec: Any) -> tuple[int, int, int, int]:
+    """The mask shape FIA's docs give for a one-token query, (B, 1, 1, KV_S): a mask is
+    expanded to it (one that differs per head was declined by :func:`fia_problem`)."""
+    return (spec.q_shape[0], 1, 1, _grouped(spec, "k")[2])
+
+
 def emit_fia(graph: Graph, fia: Callable[..., Any], spec: Any, scale_keyword: str,
              masked: Node | None) -> Node:
     """``fia(q, k, v, ...)[0]`` for ``spec``; ``masked``: the boolean mask, True = masked out,
-    in a documented shape (or None)."""
+    shaped (B, 1, 1, KV_S) (or None)."""
     q, k, v = (graph.call_method("contiguous", (x,)) for x in (spec.q, _grouped_node(spec, "k"),
                                                                 _grouped_node(spec, "v")))
     kwargs: dict[str, Any] = {
