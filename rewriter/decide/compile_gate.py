@@ -49,6 +49,7 @@ from rewriter.decide.run_view import RunView
 from rewriter.decide.verify import compare_runs, dropout_disabled, tolerance_for
 from rewriter.devices.compile_cache import cache_folder, is_warm, use_persistent_cache
 from rewriter.devices.isa_probes import start_vec_isa_probes
+from rewriter.devices.isa_probes import wait as wait_for_isa_probes
 from rewriter.devices.executors import (
     CompiledOriginal,
     Executor,
@@ -324,21 +325,29 @@ class CompileGate:
         """The compiled runner, compiled by one step run through it (its time is the compile
         time the user pays at the first step). ``original``: the original model compiled whole
         while the rewrites stay kept (:class:`CompiledOriginal`)."""
-        r = self.run
         t0 = time.perf_counter()
-        if ex.backend == "inductor" and r.job.backend.name == "cpu":
-            start_vec_isa_probes()  # a cold Inductor builds a test program per ISA: side by side
+        # a cold Inductor builds a test program per ISA, one after another: side by side here,
+        # ended before the compiled step is timed
+        builds = start_vec_isa_probes() if ex.backend == "inductor" and self.run.job.backend.name == "cpu" else []
+        try:
+            runner, problem = self._compiled(ex, original)
+        finally:
+            wait_for_isa_probes(builds)
+        return runner, time.perf_counter() - t0, problem
+
+    def _compiled(self, ex: Executor, original: bool) -> tuple[Callable[..., Any] | None, str | None]:
+        r = self.run
         if original:
             try:
                 with r._phase("compile"):
                     runner = CompiledOriginal(r.job.model, r.cap, ex.resolve(), self._autocast())
                     self._step(runner).run()
             except Exception as e:
-                return None, time.perf_counter() - t0, \
+                return None, \
                     f"{ex.name} raised while compiling the original model: {type(e).__name__}: {e}"
             finally:
                 r.snapshot.restore()
-            return runner, time.perf_counter() - t0, None
+            return runner, None
         blocks = self._blocks_form()
         if not r.kept and not blocks and isinstance(r.cap, RegionalCapture):
             # nothing kept, a generation: the original model's forward is compiled, whole; the
@@ -351,10 +360,10 @@ class CompileGate:
                                          generation=r.job.generation is not None)
                 self._step(runner).run()
         except Exception as e:  # the backend raised: the eager graphs run
-            return None, time.perf_counter() - t0, f"{ex.name} raised while compiling: {type(e).__name__}: {e}"
+            return None, f"{ex.name} raised while compiling: {type(e).__name__}: {e}"
         finally:
             r.snapshot.restore()
-        return runner, time.perf_counter() - t0, None
+        return runner, None
 
     def _step(self, runner: Callable[..., Any]) -> Step:
         """The composed step (rewrites kept, fused optimizer kept) with the compiled runner; for
