@@ -494,9 +494,12 @@ def test_the_dynamo_settings_of_our_calls_are_made_once_and_put_back_after_each(
     torch's patch() defines a class each time, so the patch is made once per limit and entered
     again (a generation calls the blocks dozens of times a step). Entered nested, from another
     thread, or after a failure, the user's settings come back."""
+    import contextvars
     import threading
 
     import torch._dynamo.config as dynamo_config
+    if not isinstance(getattr(dynamo_config.patch(recompile_limit=1), "_prior", None), contextvars.ContextVar):
+        pytest.skip("this torch keeps a config patch's saved values on the object: one per call")
     torch.manual_seed(0)
     model, x = Stack(n=3).eval(), torch.randn(8, 16)
     fast = _opt(model, (x,))
@@ -514,16 +517,23 @@ def test_the_dynamo_settings_of_our_calls_are_made_once_and_put_back_after_each(
     assert made == [] and dynamo_config.recompile_limit == before  # reused, and put back
     outer = cap.dynamo_settings(recompile_limit=before + 7)
     assert cap.dynamo_settings(recompile_limit=before + 7) is outer
-    seen = []
+    seen, inside = [], threading.Barrier(2)
+
+    def other_thread():  # enters the same object while this thread is inside it
+        with outer:
+            inside.wait(timeout=10)
+            seen.append(("other", dynamo_config.recompile_limit))
+        seen.append(("other after", dynamo_config.recompile_limit))
     with outer:
         with outer:  # nested: the same object entered twice
-            seen.append(dynamo_config.recompile_limit)
-        seen.append(dynamo_config.recompile_limit)
-        worker = threading.Thread(target=lambda: seen.append(dynamo_config.recompile_limit))
+            seen.append(("nested", dynamo_config.recompile_limit))
+        worker = threading.Thread(target=other_thread)
         worker.start()
+        inside.wait(timeout=10)
         worker.join()
-    # (another thread does not see this one's settings)
-    assert seen[:2] == [before + 7, before + 7] and seen[2] != before + 7
+        seen.append(("outer", dynamo_config.recompile_limit))
+    assert seen[:3] == [("nested", before + 7), ("other", before + 7), ("other after", seen[2][1])]
+    assert seen[2][1] != before + 7 and seen[3] == ("outer", before + 7)
     assert dynamo_config.recompile_limit == before
     with pytest.raises(ZeroDivisionError), outer:
         1 / 0
