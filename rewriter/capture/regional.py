@@ -261,7 +261,7 @@ def _not_inlined_forward(holder: nn.Module, capture: Any = None) -> Any:
     training=self.training)``) runs eagerly there, outside every graph, so the numerics check's
     switch (``deterministic``, which turns dropout off in the graphs) would miss it: while
     ``capture`` (a weak reference) runs deterministic, its direct dropout modules' ``p`` is 0
-    and, if its code names a functional dropout, its own ``training`` is False (the module's
+    and, if its code calls a functional dropout, its own ``training`` is False (the module's
     flag only, not its children's). Never traced, so nothing guards on them; a torch-function
     mode or a patched ``F.dropout`` would be seen by the frames it calls, and Dynamo compiled
     them again for it."""
