@@ -45,7 +45,7 @@ from rewriter.decide.job import Job, switched
 from rewriter.decide.kept import KeptPass, apply_kept, build, overlay_for
 from rewriter.decide.knowledge import KnowledgeBase
 from rewriter.decide.optimizer_gate import gate_optimizer
-from rewriter.decide.optimizer_gate import saved_ms as optimizer_saved_ms
+from rewriter.decide.optimizer_gate import step_saved_ms as optimizer_saved_ms
 from rewriter.decide.reference import Reference
 from rewriter.decide.regions import RegionDecisions
 from rewriter.decide.replay import PlanReplay, replay_on_slot

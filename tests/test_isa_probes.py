@@ -25,7 +25,7 @@ class _Build:
 def test_builds_run_side_by_side_off_the_main_thread_and_the_start_does_not_wait(monkeypatch):
     barrier, seen = threading.Barrier(3), []
     monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["a", "b"])
-    monkeypatch.setattr(isa_probes, "test_builds", lambda isa: [(_Build(barrier, seen), "code")])
+    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Build(barrier, seen), "code")])
     futures = isa_probes.start_vec_isa_probes()
     assert len(futures) == 2 and not any(f.done() for f in futures)  # nobody waited for them
     barrier.wait(timeout=10)  # the third party: this test, while both builds are running
@@ -39,7 +39,7 @@ def test_an_unexpected_inductor_layout_leaves_the_builds_to_inductor(monkeypatch
     monkeypatch.setattr(isa_probes, "candidate_isas", broken)
     assert isa_probes.start_vec_isa_probes() == []
     monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["a"])
-    monkeypatch.setattr(isa_probes, "test_builds", lambda isa: [(None, "code")])  # one: nothing to overlap
+    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(None, "code")])  # one: nothing to overlap
     assert isa_probes.start_vec_isa_probes() == []
 
 
@@ -70,7 +70,7 @@ def test_the_builds_are_the_ones_inductors_own_check_makes_on_objects_of_our_own
             bool(type(isa)())
     finally:
         clear_answers()
-    ours = [(mine, code) for isa in candidates for mine, code in isa_probes.test_builds(isa)]
+    ours = [(mine, code) for isa in candidates for mine, code in isa_probes.program_builds(isa)]
     assert {(mine.build_arch_flags(), code) for mine, code in ours} == set(built)
     assert not any(mine is isa for mine, _ in ours for isa in v.supported_vec_isa_list)
 

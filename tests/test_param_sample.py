@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import rewriter
-from rewriter.decide.optimizer_gate import saved_ms
+from rewriter.decide.optimizer_gate import step_saved_ms
 from rewriter.decide.param_sample import sample_parameters
 from rewriter.devices import optimizers
 from tests.controlled import QUICK, ControlledClock
@@ -131,5 +131,5 @@ def test_the_decision_is_timed_on_the_sample_and_its_saving_scaled_to_the_step(m
     assert copied and set(copied) == {s.numel}  # numerics and timing: the sample, never all
     m = d.measurement
     assert m["sample"]["scale"] == pytest.approx(s.scale, rel=1e-3)
-    assert saved_ms(m) == pytest.approx((m["baseline_ms"] - m["candidate_ms"]) * s.scale, rel=1e-3)
-    assert saved_ms({**m, "sample": None}) == pytest.approx(m["baseline_ms"] - m["candidate_ms"])
+    assert step_saved_ms(m) == pytest.approx((m["baseline_ms"] - m["candidate_ms"]) * s.scale, rel=1e-3)
+    assert step_saved_ms({**m, "sample": None}) == pytest.approx(m["baseline_ms"] - m["candidate_ms"])

@@ -42,7 +42,7 @@ from rewriter.capture.front_ends import DynamoCapture, FxCapture
 from rewriter.capture.ir import structure_signature
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.amortize import DEFAULT_STEPS, MAX_SAVING, Payback, predict_compile_seconds
-from rewriter.decide.gate import Step, decide, known_verdict, measure
+from rewriter.decide.gate import Step, decide, known_verdict, measure, saved_ms
 from rewriter.decide.job import switched
 from rewriter.decide.knowledge import entry_key
 from rewriter.decide.run_view import RunView
@@ -201,7 +201,7 @@ class CompileGate:
         warm = known_s is not None and not known.get("compile_warm") and _cached(known, cache)
         nodes = self._nodes(original)
         cost = predict_compile_seconds(nodes, r.job.training, known_s, warm)
-        known_ms = _step_ms(known)
+        known_ms = saved_ms(known)
         if known_ms is not None:
             saving, basis = known_ms / 1e3, "the knowledge base's"
         else:
@@ -272,9 +272,9 @@ class CompileGate:
                                                     "compile_seconds": round(compile_s, 3),
                                                     "compile_cache": cache, "compile_warm": warm})
         m_dict["compile_seconds"] = round(compile_s, 3)
-        saved_ms = _step_ms(m_dict)
-        if steps is not None and saved_ms is not None:
-            p = Payback(compile_s, saved_ms / 1e3, steps)
+        step_saving_ms = saved_ms(m_dict)
+        if steps is not None and step_saving_ms is not None:
+            p = Payback(compile_s, step_saving_ms / 1e3, steps)
             m_dict.update(p.to_dict())
             if keep and not p.repays:
                 keep, reason = False, f"does not repay within the run: {p.describe()}; {reason}"
@@ -452,11 +452,6 @@ def _figure_of(d: Decision) -> str:
     return f"{d.speedup:.3f}x over the rewritten eager step" if d.speedup else "measured faster"
 
 
-def _step_ms(figures: dict | None) -> float | None:
-    """The saving per step a measurement (or knowledge-base entry) shows, in ms, or None."""
-    if not figures or figures.get("baseline_ms") is None or figures.get("candidate_ms") is None:
-        return None
-    return figures["baseline_ms"] - figures["candidate_ms"]
 
 
 def _cached(known: dict | None, cache: str | None) -> bool:

@@ -115,6 +115,14 @@ class GateSettings:
     regression: float = 0.98     # the step check reverts only below this ratio (and the noise)
 
 
+def saved_ms(figures: dict | None) -> float | None:
+    """The saving, in ms, that a measurement's figures (``Measurement.to_dict()``, or a
+    knowledge-base entry holding them) show, or None when either time is missing."""
+    if not figures or figures.get("baseline_ms") is None or figures.get("candidate_ms") is None:
+        return None
+    return figures["baseline_ms"] - figures["candidate_ms"]
+
+
 @dataclass
 class Measurement:
     baseline_times: list[float] = field(default_factory=list)

@@ -21,7 +21,7 @@ import hashlib
 import json
 from typing import Any, Collection
 
-from rewriter.decide.gate import Clock, GateSettings, Step, decide, known_verdict, measure
+from rewriter.decide.gate import Clock, GateSettings, Step, decide, known_verdict, measure, saved_ms
 from rewriter.decide.job import Job
 from rewriter.decide.knowledge import KnowledgeBase, entry_key
 from rewriter.decide.param_sample import sample_parameters
@@ -100,8 +100,8 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
             if knowledge_base is not None and m.storable(settings.min_pairs):
                 knowledge_base.put(key, {**figures, "pass": "fuse_optimizer",
                                          "example": cand.description})
-        on = (figures or {}).get("sample") or {}
-        on = f" (timed on {on['description']}; saving scaled to all)" if on.get("scale", 1) != 1 else ""
+        timed_on = (figures or {}).get("sample") or {}
+        on = f" (timed on {timed_on['description']}; saving scaled to all)" if timed_on.get("scale", 1) != 1 else ""
         decision = Decision("fuse_optimizer", keep, "kept" if keep else "rejected",
                             f"{cand.description}, on its own step{on}: {reason}",
                             speedup=speedup, noise=noise, max_abs_error=err,
@@ -113,12 +113,12 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
                     sites=[c.description for c in found], scope="step"), None
 
 
-def saved_ms(measurement: dict | None) -> float | None:
+def step_saved_ms(measurement: dict | None) -> float | None:
     """The whole step's predicted saving from a decision's figures (timed on a sample: scaled)."""
-    if not measurement or measurement.get("baseline_ms") is None or measurement.get("candidate_ms") is None:
+    saved = saved_ms(measurement)
+    if saved is None:
         return None
-    scale = (measurement.get("sample") or {}).get("scale", 1.0)
-    return (measurement["baseline_ms"] - measurement["candidate_ms"]) * scale
+    return saved * ((measurement or {}).get("sample") or {}).get("scale", 1.0)
 
 
 def optimizer_numerics(optimizer, cand: optimizers.OptimizerCandidate, only: Collection[int] | None = None

@@ -17,7 +17,7 @@ from rewriter.capture.record import Recorded, Recorder, RecordingDone
 from rewriter.capture.region import Region, captured_dtype, dtype_of_region, find_regions
 from rewriter.decide import memory
 from rewriter.decide.confirm import KeptUnit
-from rewriter.decide.gate import decide, known_verdict
+from rewriter.decide.gate import decide, known_verdict, saved_ms
 from rewriter.decide.job import VERIFY_SEED, switched
 from rewriter.decide.kept import KeptPass, apply_sites, mode_of, overlay_for
 from rewriter.decide.knowledge import entry_key
@@ -221,7 +221,7 @@ class RegionDecisions:
         keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
         keep, reason = self._negligible(keep, reason, m.saved_ms * _calls(members))
         figures = m.to_dict()  # finite figures or None (no pair: a warm-up the budget cut short)
-        saved = _saved(figures)
+        saved = saved_ms(figures)
         row.update(kept=keep, status="kept" if keep else "rejected", source="measured",
                    reason=reason, speedup=figures["speedup"], noise=figures["noise"],
                    measurement=figures, region_ms_before=figures["baseline_ms"],
@@ -399,7 +399,3 @@ def _verify_sample(members: list) -> list:
     return [members[i] for i in picks]
 
 
-def _saved(measurement: dict | None) -> float | None:
-    if not measurement or measurement.get("baseline_ms") is None or measurement.get("candidate_ms") is None:
-        return None
-    return measurement["baseline_ms"] - measurement["candidate_ms"]

@@ -15,11 +15,10 @@ from rewriter import plan as plans
 from rewriter.capture.ir import structure_signature
 from rewriter.decide import memory
 from rewriter.decide.confirm import KeptUnit
-from rewriter.decide.gate import Step, decide, figure, known_verdict, measure
+from rewriter.decide.gate import Step, decide, figure, known_verdict, measure, saved_ms
 from rewriter.decide.job import switched
 from rewriter.decide.kept import KeptPass, mode_of, overlay_for
 from rewriter.decide.knowledge import entry_key
-from rewriter.decide.regions import _saved
 from rewriter.decide.verify import compare_runs, tolerance_for
 from rewriter.pass_api import Pass
 from rewriter.report import Decision
@@ -51,7 +50,7 @@ class StepDecisions:
             keep, reason = known_verdict(known, self.settings.min_speedup,
                                          self.settings.gate.noise_widths)
             speedup, noise, figures, decided_by = known["speedup"], known["noise"], known, "time"
-            saved = _saved(known)
+            saved = saved_ms(known)
             peaks: tuple[int | None, int | None] = (None, None)
         else:
             with self._phase("measure"):

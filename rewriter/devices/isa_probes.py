@@ -55,7 +55,7 @@ def candidate_isas() -> list[Any]:
             if str(isa).split() and all(f in flags for f in str(isa).split())]
 
 
-def test_builds(isa: Any) -> list[tuple[Any, str]]:
+def program_builds(isa: Any) -> list[tuple[Any, str]]:
     """(an ISA object of our own with the flags, the code) for each test program Inductor's
     check of ``isa`` builds (``cpu_vec_isa``: the base program with the ISA's flags, AVX-512's
     BF16 program with ``-mavx512bf16``, VNNI's, AMX's and its FP16 one), where the CPU has them."""
@@ -88,7 +88,7 @@ def start_vec_isa_probes() -> list[concurrent.futures.Future]:
     built (this process, or a warm cache folder) is found at once."""
     global _POOL
     try:
-        builds = [b for isa in candidate_isas() for b in test_builds(isa)]
+        builds = [b for isa in candidate_isas() for b in program_builds(isa)]
     except Exception as e:  # torch's layout changed: Inductor builds them as it always did
         log.debug("rewriter: vector-ISA test builds not started: %s", e)
         return []
