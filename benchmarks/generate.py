@@ -1,7 +1,7 @@
 """Generation: greedy ``generate()`` through optimize()'s model, beside eager and the transformers
 recipe (static cache + ``torch.compile(model.forward)``), side by side in one process::
 
-    python -m benchmarks.generate --out benchmarks           # ~3 min on 2 cores
+    python -m benchmarks.generate --out benchmarks           # ~4 min on 2 cores
     python -m benchmarks.generate --dtype bf16 --out /tmp/g  # the same in bf16 weights
     python -m benchmarks.generate --quick                    # tiny sizes: the script runs
 
@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any, Callable, Sequence
@@ -66,38 +69,69 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - started
 
 
-def configurations(model: torch.nn.Module, prompt: torch.Tensor) -> dict[str, dict]:
-    """name -> {"model", "kwargs" for generate, "one_time_s", "what"}; each its own copy."""
-    import rewriter
-    configs: dict[str, dict] = {}
+def _recipe(model: torch.nn.Module, prompt: torch.Tensor) -> dict:
     recipe = copy.deepcopy(model)
     recipe.forward = torch.compile(recipe.forward)
     _, first = timed(generator(recipe, prompt, NEW_TOKENS, cache_implementation="static"))
-    configs["static_compile"] = {"model": recipe, "kwargs": {"cache_implementation": "static"},
-                                 "one_time_s": first,
-                                 "what": "transformers' static cache + torch.compile(model.forward) (first call)"}
+    return {"model": recipe, "kwargs": {"cache_implementation": "static"}, "one_time_s": first,
+            "what": "transformers' static cache + torch.compile(model.forward) (first call)"}
+
+
+def _optimize(model: torch.nn.Module, prompt: torch.Tensor) -> dict:
+    import rewriter
     own = copy.deepcopy(model)
     fast, seconds = timed(lambda: rewriter.optimize(own, example_inputs=(prompt,), knowledge_base=False,
                                                     progress=False))
-    configs["optimize"] = {"model": fast, "kwargs": {}, "one_time_s": seconds,
-                           "what": "rewriter.optimize() defaults, afresh (optimize() seconds)",
-                           "report": fast.report}
+    return {"model": fast, "kwargs": {}, "one_time_s": seconds, "report": fast.report,
+            "what": "rewriter.optimize() defaults, afresh (optimize() seconds)"}
+
+
+def _serving(model: torch.nn.Module, prompt: torch.Tensor) -> dict:
+    import rewriter
     own = copy.deepcopy(model)
     fast, seconds = timed(lambda: rewriter.optimize(own, example_inputs=(prompt,), knowledge_base=False,
                                                     progress=False, steps=SERVING_CALLS, time_budget=None))
-    configs["optimize_serving"] = {
-        "model": fast, "kwargs": {}, "one_time_s": seconds, "report": fast.report,
-        "what": f"rewriter.optimize(steps={SERVING_CALLS}, time_budget=None): a server's many calls, "
-                "so a compile that repays within them is tried (optimize() seconds, compile included)"}
-    return configs
+    return {"model": fast, "kwargs": {}, "one_time_s": seconds, "report": fast.report,
+            "what": f"rewriter.optimize(steps={SERVING_CALLS}, time_budget=None): a server's many calls, "
+                    "so a compile that repays within them is tried (optimize() seconds, compile included)"}
 
 
-def run(size_name: str, dtype: torch.dtype, quick: bool, device: str = "cpu") -> dict:
-    size = SIZES[size_name]
-    model = build_model(size, dtype).to(device)
+# name -> how the configuration is built; its one-time cost is what building it took
+CONFIGS: dict[str, Callable[[torch.nn.Module, torch.Tensor], dict]] = {
+    "static_compile": _recipe, "optimize": _optimize, "optimize_serving": _serving}
+# the configurations whose one-time cost is also taken in a process of its own, cold (in the
+# run's process, the recipe compiles first and leaves Inductor loaded and its ISA checks done)
+COLD = ("static_compile", "optimize_serving")
+
+
+def configurations(model: torch.nn.Module, prompt: torch.Tensor) -> dict[str, dict]:
+    """name -> {"model", "kwargs" for generate, "one_time_s", "what"}; each its own copy."""
+    return {name: build(model, prompt) for name, build in CONFIGS.items()}
+
+
+def cold_one_time(name: str, argv: Sequence[str]) -> float:
+    """Configuration ``name``'s one-time cost in a fresh Python process with an empty Inductor
+    cache of its own (``argv``: this run's size, dtype and device options)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="generate_cold_")}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.generate", "--cold", name, *argv],
+                         env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["one_time_s"]
+
+
+def _input(size: dict, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, size["vocab"], (1, size["prompt"]), generator=g).to(device)
     other = torch.randint(0, size["vocab"], (1, size["prompt"] + 13), generator=g).to(device)
+    return prompt, other
+
+
+def run(size_name: str, dtype: torch.dtype, quick: bool, device: str = "cpu",
+        cold: Sequence[str] | None = None) -> dict:
+    """The rows; ``cold``: this run's options, to take the cold one-time costs with (None: not
+    taken)."""
+    size = SIZES[size_name]
+    model = build_model(size, dtype).to(device)
+    prompt, other = _input(size, device)
     want = generator(model, prompt, NEW_TOKENS)()
     gate = QUICK_GATE if quick else BENCH_GATE
     eager_prefill, eager_gen = generator(model, prompt, 1), generator(model, prompt, NEW_TOKENS)
@@ -110,6 +144,7 @@ def run(size_name: str, dtype: torch.dtype, quick: bool, device: str = "cpu") ->
         pre = side_by_side(eager_prefill, generator(m, prompt, 1, **kw), gate)
         gen = side_by_side(eager_gen, generator(m, prompt, NEW_TOKENS, **kw), gate)
         row = {"config": name, "what": c["what"], "one_time_s": round(c["one_time_s"], 1),
+               "cold_one_time_s": round(cold_one_time(name, cold), 1) if name in COLD and cold is not None else None,
                "new_length_first_call_s": round(new_length_s, 2),
                "tokens_equal_to_eager": f"{same}/{NEW_TOKENS}",
                "prefill_speedup": round(pre.speedup, 3), "prefill_noise": round(pre.noise, 3),
@@ -145,15 +180,20 @@ def markdown(result: dict, command: str) -> str:
              f"Machine: {m['cpu']} ({isa_text(m)}), {m['cpu_count']} cores, torch {m['torch']}, "
              f"transformers {m['transformers']}, {m['date']}; load at start {m['load_average_at_start']}.", "",
              "Speedups over eager generate() in the same process (median of interleaved pairs ± noise).", "",
-             "| config | one-time s | new length first call s | tokens = eager | prefill | generate 48 | "
-             "prefill tok/s (eager) | decode tok/s (eager) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| config | one-time s | one-time s, cold process | new length first call s | tokens = eager | "
+             "prefill | generate 48 | prefill tok/s (eager) | decode tok/s (eager) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['config']} | {r['one_time_s']} | {r['new_length_first_call_s']} | "
+        cold = r.get("cold_one_time_s")
+        lines.append(f"| {r['config']} | {r['one_time_s']} | {'-' if cold is None else cold} | "
+                     f"{r['new_length_first_call_s']} | "
                      f"{r['tokens_equal_to_eager']} | {r['prefill_speedup']}x ±{r['prefill_noise']} | "
                      f"{r['generate_speedup']}x ±{r['generate_noise']} | {r['prefill_tok_s']} "
                      f"({r['eager_prefill_tok_s']}) | {r['decode_tok_s']} ({r['eager_decode_tok_s']}) |")
-    lines += [""] + [f"- {r['config']}: {r['what']}" for r in result["rows"]]
+    lines += ["", "One-time s: in this process, after the rows above it (the recipe, first, pays Inductor's "
+              "import and ISA checks for all); cold process: the configuration alone in a fresh process "
+              "with an empty Inductor cache (`python -m benchmarks.generate --cold NAME`).", ""]
+    lines += [f"- {r['config']}: {r['what']}" for r in result["rows"]]
     for r in result["rows"]:
         if "workload" in r:
             lines += [f"- {r['config']}: step: {r['workload'] or 'one call'}; kept: "
@@ -168,11 +208,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes, few pairs (checks the script runs)")
     p.add_argument("--out", help="folder for GENERATE.md and generate.json")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda (files get a _cuda suffix)")
+    p.add_argument("--cold", choices=tuple(CONFIGS), help="only build this configuration, in this "
+                   "process, and print its one-time seconds as JSON (what the cold column runs)")
     args = p.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    size = SIZES["quick" if args.quick else "default"]
+    if args.cold:
+        model = build_model(size, dtype).to(args.device)
+        built = CONFIGS[args.cold](model, _input(size, args.device)[0])
+        print(json.dumps({"one_time_s": built["one_time_s"]}))
+        return 0
+    options = ["--dtype", args.dtype, "--device", args.device] + (["--quick"] if args.quick else [])
     # a cold Inductor cache of this run's own: the recipe's first call is its compile
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="generate_inductor_")
-    result = run("quick" if args.quick else "default", dtype, args.quick, args.device)
+    result = run("quick" if args.quick else "default", dtype, args.quick, args.device, cold=options)
     command = "python -m benchmarks.generate" + (" --dtype bf16" if args.dtype == "bf16" else "") + \
         (" --quick" if args.quick else "") + (f" --device {args.device}" if args.device != "cpu" else "")
     text = markdown(result, command)

@@ -250,9 +250,11 @@ class CountingBackend:
 
     def __init__(self):
         self.compiles = self.runs = 0
+        self.inputs = []  # each compile's example inputs
 
     def __call__(self, gm, example_inputs):
         self.compiles += 1
+        self.inputs.append(list(example_inputs))
 
         def run(*args):
             self.runs += 1
@@ -262,8 +264,10 @@ class CountingBackend:
 
 def test_a_kept_compile_of_the_original_model_serves_generate_and_new_lengths_without_compiling():
     """Nothing rewritten kept (every pass slower), the compiled model faster: the model's own
-    forward, compiled whole (the installed blocks lifted), is what fast.generate() calls, and
-    the graphs decided on are dynamic in the lengths (no compile at a new prompt length)."""
+    forward, compiled whole (the installed blocks lifted), is what fast.generate() calls for
+    each decode call, the prefill runs the forward uncompiled, and the decode graph decided on
+    is dynamic in the cache's length (no compile at a new prompt length), with the modules'
+    float attributes as constants (not inputs Inductor would trace the model again for)."""
     torch.manual_seed(0)
     model = _llama().eval()
     prompt = _prompt()
@@ -276,13 +280,17 @@ def test_a_kept_compile_of_the_original_model_serves_generate_and_new_lengths_wi
     assert row.kept and fast.report.final["compiled"] == "counting", row.reason
     assert not fast.report.kept_passes[:-1] and "forward" not in model.__dict__
     compiles = backend.compiles
-    # one graph for the prefill and one for every decode call: the first decode call (the
-    # prefill's cache layout) is not a graph of its own
-    assert compiles == 2, compiles
+    # one graph for every decode call: the first (the prefill's cache layout) is not a graph
+    # of its own, and the prefill is not compiled
+    assert compiles == 1, compiles
+    assert not any(isinstance(x, (float, torch.SymFloat)) for x in backend.inputs[0]), backend.inputs[0]
     backend.runs = 0
     got = _greedy(fast, prompt, 6)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert backend.runs >= 6 and backend.compiles == compiles  # generate's calls were decided on
+    assert backend.runs == 5 and backend.compiles == compiles  # the decode calls, as decided on
+    backend.runs = 0
+    _greedy(fast, prompt, 1)  # the prefill alone
+    assert backend.runs == 0
     other = _prompt(length=PROMPT + 5, seed=4)
     torch.testing.assert_close(_greedy(fast, other, 4), _greedy(model, other, 4), rtol=0, atol=0)
     assert backend.compiles == compiles
@@ -415,3 +423,34 @@ def test_the_warm_up_call_one_token_shorter_keeps_a_static_caches_shapes():
     model.generation_config.cache_implementation = "static"
     g = Generation.greedy(model, (_prompt(),), {}, decode=2)
     assert _fixed_length(g.empty_cache) == PROMPT + 2 and _fixed_length(DynamicCache()) is None
+
+
+def test_a_decode_call_is_one_new_token_against_a_cache_that_holds_tokens():
+    """What CompiledForward compiles: read from shapes and the cache's own flags (no tensor
+    value, which would wait for the device at every token)."""
+    from transformers.cache_utils import DynamicCache
+
+    from rewriter.decide.generation import is_decode_call
+    one, many = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long)
+    empty, filled = DynamicCache(), DynamicCache()
+    filled.update(torch.randn(1, 2, 7, 16), torch.randn(1, 2, 7, 16), 0)
+    assert is_decode_call({"input_ids": one, "past_key_values": filled})
+    assert is_decode_call({"input_ids": one, "cache": filled})  # transformers 5's keyword
+    assert not is_decode_call({"input_ids": many, "past_key_values": filled})  # a chunk of a prompt
+    assert not is_decode_call({"input_ids": one, "past_key_values": empty})  # a one-token prompt
+    assert not is_decode_call({"input_ids": one})  # no cache
+    assert not is_decode_call({"input_ids": one, "past_key_values": None})
+    assert is_decode_call({"inputs_embeds": torch.randn(1, 1, 16), "past_key_values": filled})
+    assert not is_decode_call({"inputs_embeds": torch.randn(1, 7, 16), "past_key_values": filled})
+    legacy = ((torch.randn(1, 2, 7, 16), torch.randn(1, 2, 7, 16)),)  # a tuple per layer
+    assert is_decode_call({"input_ids": one, "past_key_values": legacy})
+    assert not is_decode_call({"input_ids": one, "past_key_values": ()})
+
+    class Counted:  # a cache with no flag of its own: its length says
+        def __init__(self, n):
+            self.n = n
+
+        def get_seq_length(self):
+            return self.n
+    assert is_decode_call({"input_ids": one, "past_key_values": Counted(3)})
+    assert not is_decode_call({"input_ids": one, "past_key_values": Counted(0)})

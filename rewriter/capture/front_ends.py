@@ -267,9 +267,16 @@ class DynamoCapture(Capture):
         if patch is None:
             patch = torch._dynamo.config.patch(ignore_logging_functions=self._ignored_logging,
                                                recompile_limit=recompile_limit)
-            if isinstance(getattr(patch, "_prior", None), contextvars.ContextVar):
+            if reusable_patch(patch):
                 self._dynamo_patches[recompile_limit] = patch
         return patch
+
+
+def reusable_patch(patch: Any) -> bool:
+    """Whether a ``torch._dynamo.config.patch`` object may be entered again, nested or from
+    another thread: torch keeps its saved values in a ContextVar (2.13); an older torch keeps
+    them on the object, and each entry needs a patch of its own."""
+    return isinstance(getattr(patch, "_prior", None), contextvars.ContextVar)
 
 
 def _weak_backend(cap: "DynamoCapture", block: Any) -> Callable[[GraphModule, list[Any]], Callable[..., Any]]:

@@ -164,6 +164,34 @@ def forward_in_place(model: nn.Module, forward: Callable[..., Any]) -> Iterator[
             d.pop("forward", None)
 
 
+def is_decode_call(kwargs: dict) -> bool:
+    """Whether a forward call is a decode step: one new token (``input_ids`` or
+    ``inputs_embeds`` one position long) against a KV cache that already holds tokens. Read from
+    the arguments' structure only (shapes, the cache's own flags), never from a tensor's values,
+    which would wait for the device at every token. A prompt of one token against an empty
+    dynamic cache is a prefill; a static cache that generate() allocated up front reads as
+    holding tokens, so a one-token prompt against it counts as a decode call."""
+    ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
+        one = ids.shape[-1] == 1
+    elif isinstance(embeds, torch.Tensor) and embeds.dim() >= 2:
+        one = embeds.shape[-2] == 1
+    else:
+        return False
+    cache = next((kwargs[n] for n in _CACHE_ARGS if kwargs.get(n) is not None), None)
+    return one and cache is not None and _holds_tokens(cache)
+
+
+def _holds_tokens(cache: Any) -> bool:
+    if isinstance(cache, (tuple, list)):  # the legacy form: a tuple per layer
+        return len(cache) > 0
+    flag = getattr(cache, "is_initialized", None)  # transformers 5's caches, allocated at the first write
+    if isinstance(flag, bool):
+        return flag
+    length = cache.get_seq_length() if callable(getattr(cache, "get_seq_length", None)) else None
+    return isinstance(length, int) and length > 0
+
+
 def can_generate(model: nn.Module) -> bool:
     """Whether the model says it generates (transformers' ``GenerationMixin.can_generate``)."""
     check = getattr(model, "can_generate", None)
