@@ -454,3 +454,23 @@ def test_a_decode_call_is_one_new_token_against_a_cache_that_holds_tokens():
             return self.n
     assert is_decode_call({"input_ids": one, "past_key_values": Counted(3)})
     assert not is_decode_call({"input_ids": one, "past_key_values": Counted(0)})
+
+
+def test_a_generations_compile_is_predicted_from_one_calls_graph_not_the_unrolled_step():
+    """What a generation compiles is the decode call's forward: the compile predicted before
+    trying it is as large whatever the decode calls per step (the step unrolls the prefill and
+    each decode call; predicting from all of them made a 9-call step's compile look 5x as
+    large as it was, and a run that would repay it skipped it)."""
+    torch.manual_seed(0)
+    model = _llama().eval()
+    slower = {name: 1.2 for name in rewriter.registered_passes()}
+    nodes = {}
+    for decode in (2, 8):
+        fast = rewriter.optimize(model, (_prompt(),), clock=ControlledClock(slower), gate=QUICK,
+                                 progress=False, profile=False, knowledge_base=False,
+                                 compile="auto", steps=1, generate=decode)
+        row = next(d for d in fast.report.decisions if d.pass_name == "compile")
+        assert row.status == "not tried", row.reason  # steps=1: nothing repays a compile
+        nodes[decode] = row.measurement["nodes"]
+        fast.restore()
+    assert nodes[2] > 0 and abs(nodes[8] - nodes[2]) <= 0.35 * nodes[2], nodes

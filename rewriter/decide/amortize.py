@@ -36,11 +36,15 @@ WARM_FACTOR = 0.25
 # Inductor's first compile of one graph, in a fresh process with a cold cache: seconds =
 # base + per_node * nodes (nodes: the Dynamo graph's calls; training includes AOTAutograd's
 # backward). Fitted on 2-core AMD EPYC (avx512_bf16, no AMX), torch 2.13, Inductor C++:
-# MLP graphs of 6, 24 and 72 nodes took 13.3, 17.1 and 27.0 s in training. Used on every
-# device until the knowledge base has the device's own figure for the same graphs.
+# MLP graphs of 6, 24 and 72 nodes took 13.3, 17.1 and 27.0 s in training. Inference fitted on
+# a 2-core Intel Xeon (avx512_bf16, no AMX), torch 2.13, ISA checks built side by side
+# (rewriter.devices.isa_probes; `.diag`-style script: Linear, GELU, LayerNorm, eval, no_grad):
+# 6, 24, 72 and 144 nodes took 6.7, 7.7, 9.9 and 14.7 s; a transformer's decode forward (Qwen2,
+# 3 layers, ~250 nodes, many of them views) took 12.0-12.7 s, under the fit's 21.5 s. Used on
+# every device until the knowledge base has the device's own figure for the same graphs.
 COMPILE_COST = {  # training: (base seconds, seconds per node)
     True: (12.0, 0.21),
-    False: (8.0, 0.10),  # inference: forward only, about half the per-node work
+    False: (6.5, 0.06),  # inference: forward only
 }
 
 

@@ -222,12 +222,18 @@ class CompileGate:
         class and signature) when rewrites are kept, else every graph of the model (nothing
         kept: the original model is compiled, see ``_build``); the original model compiled
         whole beside kept rewrites: every graph as often as it runs in a step (its trace
-        unrolls the blocks)."""
+        unrolls the blocks); a generation with nothing kept: one call's share of that."""
         r = self.run
-        if original:
-            return sum(max(s.calls, 1) * sum(1 for n in s.original.graph.nodes if n.op in
-                                             ("call_function", "call_method", "call_module"))
-                       for s in r.cap.slots if s.calls or s.block is None)
+        gen = r.job.generation
+        if original or (gen is not None and not r.kept):
+            unrolled = sum(max(s.calls, 1) * sum(1 for n in s.original.graph.nodes if n.op in
+                                                 ("call_function", "call_method", "call_module"))
+                           for s in r.cap.slots if s.calls or s.block is None)
+            if original or not isinstance(r.cap, RegionalCapture):
+                return unrolled
+            # a generation compiles its decode call's forward, whole (CompiledForward): the step
+            # unrolls the prefill and each decode call, traces of about one size
+            return round(unrolled / (1 + gen.decode_calls))
         blocks = [s for s in r.cap.slots if s.block is not None] \
             if r.kept or self._blocks_form() else []
         slots = blocks or list(r.cap.slots)
