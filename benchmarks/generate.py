@@ -8,7 +8,8 @@ recipe (static cache + ``torch.compile(model.forward)``), side by side in one pr
 Rows: ``static_compile`` (the recipe), ``optimize`` (defaults), ``optimize_serving``
 (``steps=100000``: a compile is weighed against a server's calls). The model is the one issue 32
 measured: a Qwen2 config, 3 layers, hidden 384, 8000 words, random weights, eval mode, a
-1x32-token prompt and 48 new tokens. Each configuration is timed
+1x32-token prompt and 48 new tokens (``--model llama`` / ``gpt2``: the same sizes in those
+architectures). Each configuration is timed
 against eager, interleaved (``benchmarks.measure.side_by_side``: the median of paired ratios and
 its noise) on two calls: ``generate(max_new_tokens=1)`` (the prefill, and one token picked) and
 ``generate(max_new_tokens=48)``. Prefill tokens/s is the prompt over the first; decode tokens/s
@@ -16,7 +17,8 @@ is the 47 further tokens over the difference of the two medians. Also: each conf
 one-time cost (optimize(), or the recipe's first call, its compile), the first call at a
 prompt length it never saw (13 tokens longer), and whether its tokens are eager's. Inductor's
 cache is a fresh folder of the run's own (cold for the recipe, which compiles first; the
-process is warm by the time optimize() compiles).
+process is warm by the time optimize() compiles); the recipe's and ``optimize_serving``'s
+one-time costs are also taken each in a fresh process of its own, cold (``--cold NAME``).
 
 Writes ``GENERATE.md`` and ``generate.json`` (``generate_bf16.*`` for bf16) into ``--out``.
 """
@@ -42,14 +44,23 @@ SIZES = {"default": dict(layers=3, hidden=384, inter=1024, heads=6, kv=2, vocab=
          "quick": dict(layers=2, hidden=64, inter=128, heads=4, kv=2, vocab=256, prompt=8)}
 
 
-def build_model(size: dict, dtype: torch.dtype) -> torch.nn.Module:
+ARCHITECTURES = ("qwen2", "llama", "gpt2")  # --model: the issue's Qwen2, and two more families
+
+
+def build_model(size: dict, dtype: torch.dtype, arch: str = "qwen2") -> torch.nn.Module:
     import transformers
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(num_hidden_layers=size["layers"], hidden_size=size["hidden"],
-                                   intermediate_size=size["inter"], num_attention_heads=size["heads"],
-                                   num_key_value_heads=size["kv"], vocab_size=size["vocab"],
-                                   max_position_embeddings=512, attn_implementation="eager")
-    return transformers.Qwen2ForCausalLM(cfg).eval().to(dtype)
+    if arch == "gpt2":  # no grouped keys and values: as many heads as the others' queries
+        cfg = transformers.GPT2Config(n_layer=size["layers"], n_embd=size["hidden"], n_inner=size["inter"],
+                                      n_head=size["heads"], vocab_size=size["vocab"], n_positions=512,
+                                      attn_implementation="eager")
+    else:
+        config = transformers.Qwen2Config if arch == "qwen2" else transformers.LlamaConfig
+        cfg = config(num_hidden_layers=size["layers"], hidden_size=size["hidden"],
+                     intermediate_size=size["inter"], num_attention_heads=size["heads"],
+                     num_key_value_heads=size["kv"], vocab_size=size["vocab"],
+                     max_position_embeddings=512, attn_implementation="eager")
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval().to(dtype)
 
 
 def generator(model: Any, prompt: torch.Tensor, new_tokens: int, **kw: Any) -> Callable[[], torch.Tensor]:
@@ -126,11 +137,11 @@ def _input(size: dict, device: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run(size_name: str, dtype: torch.dtype, quick: bool, device: str = "cpu",
-        cold: Sequence[str] | None = None) -> dict:
+        cold: Sequence[str] | None = None, arch: str = "qwen2") -> dict:
     """The rows; ``cold``: this run's options, to take the cold one-time costs with (None: not
     taken)."""
     size = SIZES[size_name]
-    model = build_model(size, dtype).to(device)
+    model = build_model(size, dtype, arch).to(device)
     prompt, other = _input(size, device)
     want = generator(model, prompt, NEW_TOKENS)()
     gate = QUICK_GATE if quick else BENCH_GATE
@@ -163,7 +174,7 @@ def run(size_name: str, dtype: torch.dtype, quick: bool, device: str = "cpu",
     if device == "cuda":
         machine["cpu"] = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), host {machine['cpu']}"
     return {"machine": machine, "dtype": str(dtype).replace("torch.", ""),
-            "model": f"Qwen2 config, {size['layers']} layers, hidden {size['hidden']}, vocabulary "
+            "model": f"{type(model.config).__name__.replace('Config', '')} config, {size['layers']} layers, hidden {size['hidden']}, vocabulary "
                      f"{size['vocab']}, random weights, eval; prompt 1x{size['prompt']}, {NEW_TOKENS} new tokens",
             "rows": rows}
 
@@ -210,24 +221,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda (files get a _cuda suffix)")
     p.add_argument("--cold", choices=tuple(CONFIGS), help="only build this configuration, in this "
                    "process, and print its one-time seconds as JSON (what the cold column runs)")
+    p.add_argument("--model", choices=ARCHITECTURES, default="qwen2",
+                   help="the architecture (same sizes; files get a _<model> suffix but for qwen2)")
     args = p.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     size = SIZES["quick" if args.quick else "default"]
     if args.cold:
-        model = build_model(size, dtype).to(args.device)
+        model = build_model(size, dtype, args.model).to(args.device)
         built = CONFIGS[args.cold](model, _input(size, args.device)[0])
         print(json.dumps({"one_time_s": built["one_time_s"]}))
         return 0
-    options = ["--dtype", args.dtype, "--device", args.device] + (["--quick"] if args.quick else [])
+    options = ["--dtype", args.dtype, "--device", args.device, "--model", args.model] + \
+        (["--quick"] if args.quick else [])
     # a cold Inductor cache of this run's own: the recipe's first call is its compile
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="generate_inductor_")
-    result = run("quick" if args.quick else "default", dtype, args.quick, args.device, cold=options)
+    result = run("quick" if args.quick else "default", dtype, args.quick, args.device, cold=options,
+                 arch=args.model)
     command = "python -m benchmarks.generate" + (" --dtype bf16" if args.dtype == "bf16" else "") + \
-        (" --quick" if args.quick else "") + (f" --device {args.device}" if args.device != "cpu" else "")
+        (" --quick" if args.quick else "") + (f" --device {args.device}" if args.device != "cpu" else "") + \
+        (f" --model {args.model}" if args.model != "qwen2" else "")
     text = markdown(result, command)
     if args.out:
         stem = "generate" + ("_bf16" if args.dtype == "bf16" else "") + \
-            (f"_{args.device}" if args.device != "cpu" else "")
+            (f"_{args.device}" if args.device != "cpu" else "") + (f"_{args.model}" if args.model != "qwen2" else "")
         write_result(args.out, stem, result, text)
     else:
         print(text)
