@@ -298,3 +298,16 @@ def test_the_families_sweep_runs_and_reports_a_family(tmp_path):
     assert "| Llama | regional |" in (tmp_path / "FAMILIES.md").read_text()
     with pytest.raises(SystemExit):
         families.main(["--only", "NoSuchConfig"])
+
+
+def test_the_decode_graphs_table_names_each_familys_graphs_calls_and_failures():
+    from benchmarks.decode_graphs import markdown
+    result = {"command": "python -m benchmarks.decode_graphs", "machine": {
+        "cpu": "test cpu", "isa": {}, "cpu_count": 2, "torch": "2.13", "transformers": "5", "date": "today"},
+        "rows": [{"family": "LlamaConfig", "graphs_first": 1, "graphs_after_new_length": 1,
+                  "compiled_calls_first": 7, "compiled_calls": 11, "tokens_equal": True},
+                 {"family": "OddConfig", "error": "TypeError: no"}]}
+    md = markdown(result)
+    assert "| LlamaConfig | 1 | 1 | 7, 11 | True |" in md
+    assert "| OddConfig | raised: TypeError: no | | | |" in md
+    assert md.startswith("# Decode graphs per family\n\n`python -m benchmarks.decode_graphs` — test cpu")
