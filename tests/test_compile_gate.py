@@ -498,3 +498,29 @@ def test_a_regional_model_with_nothing_rewritten_compiles_each_block_graph_once(
         torch.testing.assert_close(fast(x), want)
         assert fake.calls - before == 4  # every layer ran the one compiled block graph
     fast.restore()
+
+
+@pytest.mark.parametrize("blocks, original_tried", [(1.0, False), (0.8, True)])
+def test_the_whole_models_compile_is_not_paid_when_the_same_blocks_compiled_gained_nothing(
+        monkeypatch, blocks, original_tried):
+    """Nothing rewritten kept: the blocks' compile and the whole model's are the same code (the
+    whole adds the graphs around the blocks). Compiled blocks no faster than they run now: the
+    second compile is not paid (a row says why); clearly faster: it is tried, and here kept."""
+    from tests.test_regional import Stack
+
+    monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a: 1e-3)
+    torch.manual_seed(0)
+    model, x = Stack(n=3).eval(), torch.randn(8, 16)
+    fake = FakeCompiler()
+    fast = _opt(model, (x,), ControlledClock({"compile": blocks, "original": 0.5}), fake,
+                passes=[], regional=True, steps=100_000)
+    whole, = [d for d in fast.report.decisions if d.pass_name == "compile"  # not tried: no site
+              and (d.status == "not tried" or any("(original model" in s for s in d.sites))]
+    assert (whole.status != "not tried") == original_tried, whole.reason
+    if original_tried:
+        assert whole.kept
+    else:
+        blocks_row, = [d for d in fast.report.decisions if d.sites == ["fake"]]
+        assert "the same code as the compiled blocks" in whole.reason and not blocks_row.kept
+        assert whole.measurement["blocks_speedup"] == pytest.approx(1.0, abs=0.05)
+    fast.restore()

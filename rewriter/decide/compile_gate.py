@@ -93,6 +93,7 @@ class CompileGate:
         # model's own code, and the faster of the two runs
         forms = (False, True) if self._original_is_a_candidate() else (False,)
         for ex in found:
+            blocks_gained: Decision | None = None  # the blocks' compile, when it gained nothing
             for original in forms:
                 key = self._key(ex, original)
                 known = r.settings.knowledge_base.get(key)
@@ -100,11 +101,16 @@ class CompileGate:
                 # run's length is known, even when compiling was asked for
                 weigh = choice == "auto" or (original and r.settings.steps is not None)
                 skip = self._not_worth_compiling(ex, steps, known, original) if weigh else None
+                if skip is None and original and blocks_gained is not None:
+                    skip = self._blocks_gained_nothing(ex, blocks_gained)
                 if skip is not None:
                     r.report.decisions.append(skip)
                     log.info("rewriter: compile (%s): not tried: %s", self._label(ex, original), skip.reason)
                 else:
                     tried.append(self._try(ex, steps, key, known, original))
+                    d = tried[-1][0]
+                    if not original and self._blocks_form() and not self._clearly_faster(d):
+                        blocks_gained = d
         kept = [t for t in tried if t[0].kept]
         best = max(kept, key=lambda t: t[0].speedup or 0.0) if kept else None
         for d, _, ex, original in tried:
@@ -119,6 +125,33 @@ class CompileGate:
             self._install(best[1], best[2])
         else:
             r.compile_plan = {"executor": found[0].name, "kept": False}
+
+    def _clearly_faster(self, d: Decision) -> bool:
+        """Whether a tried compile measured faster than the step it would replace, clear of the
+        noise (a failed or unmeasured one is not evidence either way: True)."""
+        m = d.measurement or {}
+        speedup, noise = m.get("speedup"), m.get("noise")
+        if d.status in ("raised", "failed verification") or speedup is None or noise is None:
+            return True
+        return speedup - self.run.settings.gate.noise_widths * noise > 1.0
+
+    def _blocks_gained_nothing(self, ex: Executor, blocks: Decision) -> Decision:
+        """The row for the whole model's compile, not tried: with nothing rewritten kept it is
+        the same code as the blocks' compile just measured, plus the graphs around the blocks
+        (embeddings, head, loss) in one trace; the compiled blocks, most of the step, measured
+        no faster than they run now, so its one-time cost (a second compile, of every graph)
+        is not paid on the rest. BERT training (benchmarks.models, steps=20000, 2-core Xeon
+        without AMX): blocks 0.999x, whole model 1.025x, both rejected, 15 s of compile each."""
+        m = blocks.measurement or {}
+        figure = f"{m['speedup']:.3f}x ±{m['noise']:.3f}"
+        cost = predict_compile_seconds(self._nodes(original=True), self.run.job.training)
+        return Decision(NAME, False, "not tried",
+                        f"{self._label(ex, True)}: the same code as the compiled blocks, which "
+                        f"measured no faster than the step they would replace ({figure}); "
+                        f"its compile (predicted {cost:.1f} s) is not paid for the graphs around "
+                        "the blocks alone", scope="step",
+                        measurement={"predicted_compile_seconds": round(cost, 3),
+                                     "blocks_speedup": m.get("speedup"), "blocks_noise": m.get("noise")})
 
     def _label(self, ex: Executor, original: bool) -> str:
         """A compile candidate's name in the report: the executor, and which model it compiles."""
