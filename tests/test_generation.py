@@ -194,7 +194,7 @@ def test_a_new_prompt_length_is_served_without_deciding_again(block_graph_calls)
     got = _greedy(fast, other, 6)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     # no new block graph: the prefill graph decided on is dynamic in the prompt's length and
-    # the decode graph in the cache's (the warm-up showed Dynamo a second length of each)
+    # the decode graph in the cache's (traced so from their first call)
     assert not [s for s in cap.slots if s.name not in before and s.block is not None]
     assert sum(block_graph_calls.values()) == 6 * LAYERS
     assert set(block_graph_calls) <= before
@@ -474,3 +474,24 @@ def test_a_generations_compile_is_predicted_from_one_calls_graph_not_the_unrolle
         nodes[decode] = row.measurement["nodes"]
         fast.restore()
     assert nodes[2] > 0 and abs(nodes[8] - nodes[2]) <= 0.35 * nodes[2], nodes
+
+
+def test_a_generations_capture_is_dynamic_in_the_lengths_from_its_first_trace():
+    """Every graph the capture hands over runs in the step (no graph static in a length, traced
+    first and superseded: a Dynamo trace each, ~40% of the capture); the block has two graphs,
+    the prefill's and the decode's; in what passes read, the sizes a weight fixes are ints and
+    only the lengths stay symbolic."""
+    from rewriter.capture.ir import tensor_info
+    torch.manual_seed(0)
+    model = _llama().eval()
+    fast = _opt(model, (_prompt(),))
+    cap = fast._outcome.capture
+    assert all(s.calls > 0 for s in cap.slots), [(s.name, s.calls) for s in cap.slots]
+    blocks = [s for s in cap.slots if s.block is not None]
+    assert len(blocks) == 2, [s.name for s in blocks]
+    for slot in blocks:
+        infos = [i for n in slot.original.graph.nodes if (i := tensor_info(n)) is not None]
+        hidden = [i for i in infos if i.ndim == 3 and i.shape[-1] == 64]  # (batch, length, hidden)
+        assert hidden and all(type(i.shape[-1]) is int for i in hidden)
+        assert any(not isinstance(d, int) for i in infos for d in i.shape)  # a length
+    fast.restore()

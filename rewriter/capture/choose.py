@@ -83,7 +83,7 @@ class CaptureStage:
                 return None  # traces whole: the fx front-end's readable graph
             except Exception:
                 why = f"blocks {names}; symbolic_trace does not capture the whole model"
-        return RegionalCapture(model, why, blocks)
+        return RegionalCapture(model, why, blocks, dynamic_lengths=self.job.generation is not None)
 
     def _require_stable_graphs(self, cap: DynamoCapture) -> None:
         """A second call on the same inputs must reuse the graphs. If Dynamo compiles again, its
@@ -105,7 +105,7 @@ class CaptureStage:
         way) is not a mismatch: beyond the bound, a float64 run of the model judges."""
         counting = cap.counting_calls() if isinstance(cap, RegionalCapture) else contextlib.nullcontext()
         try:
-            if self.job.generation is not None:
+            if self.job.generation is not None and not getattr(cap, "dynamic_lengths", False):
                 # Dynamo hands over a graph static in a length at its first call and a dynamic
                 # one at the next length: the warm-up leaves the static ones behind, so the
                 # counted run weighs the graphs every later step runs.

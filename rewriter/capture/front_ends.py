@@ -205,10 +205,16 @@ class DynamoCapture(Capture):
     front_end = "dynamo"
 
     def __init__(self, model: nn.Module, reason: str,
-                 then_compile: Callable[[GraphModule, list[Any]], Callable[..., Any]] | None = None) -> None:
+                 then_compile: Callable[[GraphModule, list[Any]], Callable[..., Any]] | None = None,
+                 dynamic_lengths: bool = False) -> None:
         """``then_compile``: a torch.compile backend that each rewritten graph is handed to
-        (after ``on_new_graph``); by default the graphs run as they are."""
+        (after ``on_new_graph``); by default the graphs run as they are. ``dynamic_lengths``:
+        Dynamo traces every size symbolic from the first call (``dynamic=True``; a size that
+        meets a weight's, and sizes 0 and 1, are still specialized), so a prompt's length and
+        a KV cache's are dynamic at once, not after a second length; the modules' float
+        attributes stay constants."""
         super().__init__(reason)
+        self.dynamic_lengths = dynamic_lengths
         code_entries.release_unowned()  # before this capture compiles anything
         self.on_new_graph: Callable[[GraphSlot], None] | None = None
         self.then_compile = then_compile
@@ -217,7 +223,8 @@ class DynamoCapture(Capture):
         # ``_compile_kwargs`` onto the compiled module, i.e. onto the user's model (and Fabric
         # would then take the model for one the user compiled).
         plain_compile = inspect.unwrap(torch.compile)
-        self.compiled = plain_compile(model, backend=_weak_backend(self, None), dynamic=None)
+        self.compiled = plain_compile(model, backend=_weak_backend(self, None),
+                                      dynamic=True if dynamic_lengths else None)
         self._ignored_logging = _once_logging_functions()  # once: __call__ runs every step
         self._dynamo_patches: dict[int, Any] = {}  # recompile_limit -> a reusable config patch
 
@@ -265,8 +272,9 @@ class DynamoCapture(Capture):
         or from another thread; an older torch gets a new one per call."""
         patch = self._dynamo_patches.get(recompile_limit)
         if patch is None:
+            extra = {"specialize_float": True} if self.dynamic_lengths else {}
             patch = torch._dynamo.config.patch(ignore_logging_functions=self._ignored_logging,
-                                               recompile_limit=recompile_limit)
+                                               recompile_limit=recompile_limit, **extra)
             if reusable_patch(patch):
                 self._dynamo_patches[recompile_limit] = patch
         return patch

@@ -112,7 +112,17 @@ class TensorInfo:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "TensorInfo":
-        return cls(tuple(t.shape), t.dtype, t.device, tuple(t.stride()), t.requires_grad)
+        return cls(tuple(map(_concrete, t.shape)), t.dtype, t.device, tuple(map(_concrete, t.stride())),
+                   t.requires_grad)
+
+
+def _concrete(size: Any) -> Any:
+    """A size as an int where Dynamo's trace fixed it (a symbol a weight's size pinned, under
+    ``dynamic=True``), else as it is (an int, or a length that stays symbolic)."""
+    if isinstance(size, torch.SymInt):
+        fixed = size.node.maybe_as_int()
+        return size if fixed is None else fixed
+    return size
 
 
 def tensor_info(node: Any) -> TensorInfo | None:

@@ -49,8 +49,9 @@ class RegionalCapture(DynamoCapture):
 
     front_end = "regional"
 
-    def __init__(self, model: nn.Module, reason: str, blocks: list[Any]) -> None:
+    def __init__(self, model: nn.Module, reason: str, blocks: list[Any], dynamic_lengths: bool = False) -> None:
         self.blocks = blocks
+        self.dynamic_lengths = dynamic_lengths  # read by the block runners (DynamoCapture's)
         self.block_compiler: Callable[..., Any] | None = None  # regional compile, see compile_blocks
         self.installations = []
         self.lifted_for_good = False  # the compiled original model runs (lift_for_good)
@@ -79,7 +80,7 @@ class RegionalCapture(DynamoCapture):
             holder().__dict__["forward"] = forward
         # undone by remove(), or, at our next call, after the capture is dropped
         self._unmark = weakref.finalize(self, _unmark, self._untraced, self._not_inlined)
-        super().__init__(model, reason)
+        super().__init__(model, reason, dynamic_lengths=dynamic_lengths)
 
     def _same_in_every_instance(self, value: torch.Tensor, block: Any) -> bool:
         if block is None:
@@ -213,7 +214,8 @@ class _BlockRunner:
         # object, and every block class of every optimize() in the process would share one.
         code = _call_block.__code__.replace(co_name=f"_call_{block.name}")
         fn = types.FunctionType(code, _call_block.__globals__, code.co_name)
-        self.compiled = plain_compile(fn, backend=_weak_backend(cap, block), dynamic=None)
+        self.compiled = plain_compile(fn, backend=_weak_backend(cap, block),
+                                      dynamic=True if cap.dynamic_lengths else None)
         self.cap = cap
         self.inner = {id(m): [x for x in m.modules() if x is not m] for _, m in block.instances}
         self.hooks = {k: hooks_of(v) for k, v in self.inner.items()}
