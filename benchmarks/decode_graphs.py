@@ -68,7 +68,7 @@ def family_row(name: str) -> dict:
 def markdown(result: dict) -> str:
     m = result["machine"]
     lines = ["# Decode graphs per family", "", command_line(result) + f", transformers {m['transformers']}.", "",
-             "What: " + " ".join(__doc__.split("\n\n")[1].split()), "",
+             "What: " + " ".join(__doc__.split("\n\n")[2].split()), "",
              "| family | graphs after a generation | after a new prompt length | calls run compiled | "
              "tokens = original |", "|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -120,12 +120,17 @@ def configurations(model: torch.nn.Module, prompt: torch.Tensor) -> dict[str, di
     return {name: build(model, prompt) for name, build in CONFIGS.items()}
 
 
-def cold_one_time(name: str, argv: Sequence[str]) -> float:
+def cold_one_time(name: str, argv: Sequence[str]) -> float | None:
     """Configuration ``name``'s one-time cost in a fresh Python process with an empty Inductor
-    cache of its own (``argv``: this run's size, dtype and device options)."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="generate_cold_")}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.generate", "--cold", name, *argv],
-                         env=env, capture_output=True, text=True, check=True)
+    cache of its own (``argv``: this run's size, dtype and device options); None, with the
+    child's last words printed, when that process fails (the run's other figures stand)."""
+    with tempfile.TemporaryDirectory(prefix="generate_cold_") as cache:
+        out = subprocess.run([sys.executable, "-m", "benchmarks.generate", "--cold", name, *argv],
+                             env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache},
+                             capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"cold one-time of {name} failed (exit {out.returncode}): {out.stderr[-2000:]}", file=sys.stderr)
+        return None
     return json.loads(out.stdout.strip().splitlines()[-1])["one_time_s"]
 
 
@@ -155,7 +160,7 @@ def run(size_name: str, dtype: torch.dtype, quick: bool, device: str = "cpu",
         pre = side_by_side(eager_prefill, generator(m, prompt, 1, **kw), gate)
         gen = side_by_side(eager_gen, generator(m, prompt, NEW_TOKENS, **kw), gate)
         row = {"config": name, "what": c["what"], "one_time_s": round(c["one_time_s"], 1),
-               "cold_one_time_s": round(cold_one_time(name, cold), 1) if name in COLD and cold is not None else None,
+               "cold_one_time_s": _rounded(cold_one_time(name, cold)) if name in COLD and cold is not None else None,
                "new_length_first_call_s": round(new_length_s, 2),
                "tokens_equal_to_eager": f"{same}/{NEW_TOKENS}",
                "prefill_speedup": round(pre.speedup, 3), "prefill_noise": round(pre.noise, 3),
@@ -177,6 +182,10 @@ def run(size_name: str, dtype: torch.dtype, quick: bool, device: str = "cpu",
             "model": f"{type(model.config).__name__.replace('Config', '')} config, {size['layers']} layers, hidden {size['hidden']}, vocabulary "
                      f"{size['vocab']}, random weights, eval; prompt 1x{size['prompt']}, {NEW_TOKENS} new tokens",
             "rows": rows}
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
 
 
 def _decode_rate(gen_ms: float, prefill_ms: float) -> float | None:

@@ -311,3 +311,4 @@ def test_the_decode_graphs_table_names_each_familys_graphs_calls_and_failures():
     assert "| LlamaConfig | 1 | 1 | 7, 11 | True |" in md
     assert "| OddConfig | raised: TypeError: no | | | |" in md
     assert md.startswith("# Decode graphs per family\n\n`python -m benchmarks.decode_graphs` — test cpu")
+    assert "What: Each causal family of ``benchmarks.families``" in md

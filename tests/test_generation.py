@@ -456,7 +456,8 @@ def test_a_decode_call_is_one_new_token_against_a_cache_that_holds_tokens():
     assert not is_decode_call({"input_ids": one, "past_key_values": Counted(0)})
 
 
-def test_a_generations_compile_is_predicted_from_one_calls_graph_not_the_unrolled_step():
+@pytest.mark.parametrize("regional", [True, False])
+def test_a_generations_compile_is_predicted_from_one_calls_graph_not_the_unrolled_step(regional):
     """What a generation compiles is the decode call's forward: the compile predicted before
     trying it is as large whatever the decode calls per step (the step unrolls the prefill and
     each decode call; predicting from all of them made a 9-call step's compile look 5x as
@@ -468,9 +469,10 @@ def test_a_generations_compile_is_predicted_from_one_calls_graph_not_the_unrolle
     for decode in (2, 8):
         fast = rewriter.optimize(model, (_prompt(),), clock=ControlledClock(slower), gate=QUICK,
                                  progress=False, profile=False, knowledge_base=False,
-                                 compile="auto", steps=1, generate=decode)
+                                 compile="auto", steps=1, generate=decode, regional=regional)
         row = next(d for d in fast.report.decisions if d.pass_name == "compile")
         assert row.status == "not tried", row.reason  # steps=1: nothing repays a compile
+        assert (fast.report.front_end == "regional") == regional
         nodes[decode] = row.measurement["nodes"]
         fast.restore()
     assert nodes[2] > 0 and abs(nodes[8] - nodes[2]) <= 0.35 * nodes[2], nodes
@@ -491,7 +493,74 @@ def test_a_generations_capture_is_dynamic_in_the_lengths_from_its_first_trace():
     assert len(blocks) == 2, [s.name for s in blocks]
     for slot in blocks:
         infos = [i for n in slot.original.graph.nodes if (i := tensor_info(n)) is not None]
-        hidden = [i for i in infos if i.ndim == 3 and i.shape[-1] == 64]  # (batch, length, hidden)
+        # (batch, length, hidden): the hidden size an int (no comparison on a symbol: a guard)
+        hidden = [i for i in infos if i.ndim == 3 and type(i.shape[0]) is int and i.shape[0] == 1]
         assert hidden and all(type(i.shape[-1]) is int for i in hidden)
+        assert 64 in {i.shape[-1] for i in hidden}
         assert any(not isinstance(d, int) for i in infos for d in i.shape)  # a length
     fast.restore()
+
+
+HEAD_SIZE = 16  # _llama: hidden 64, 4 heads
+
+
+def test_a_prompt_as_long_as_the_head_size_is_still_a_length_the_graphs_are_dynamic_in():
+    """Under dynamic=True, sizes of one value share one symbol by default (duck sizing): a
+    prompt of 16 tokens against a head size of 16 fixed the prompt's length with the head
+    size's, and the graphs were static in it. The decode graph compiled: one for every call,
+    a second prompt length included; the captured block graphs: a new prompt length is served
+    by them."""
+    torch.manual_seed(0)
+    model = _llama().eval()
+    prompt = _prompt(length=HEAD_SIZE)
+    slower = {name: 1.2 for name in rewriter.registered_passes()}
+    backend = CountingBackend()
+    fast = rewriter.optimize(model, (prompt,), clock=ControlledClock({**slower, "compile": 0.5}), gate=QUICK,
+                             progress=False, profile=False, knowledge_base=False, compile=backend)
+    assert next(d for d in fast.report.decisions if d.pass_name == "compile").kept
+    other = _prompt(length=HEAD_SIZE + 3, seed=4)
+    torch.testing.assert_close(_greedy(fast, other, 4), _greedy(model, other, 4), rtol=0, atol=0)
+    assert backend.compiles == 1, backend.compiles
+    fast.restore()
+    fast = _opt(model, (prompt,))
+    cap = fast._outcome.capture
+    before = {s.name for s in cap.slots if s.block is not None}
+    assert len(before) == 2, before
+    torch.testing.assert_close(_greedy(fast, other, 4), _greedy(model, other, 4), rtol=0, atol=0)
+    assert {s.name for s in cap.slots if s.block is not None} == before
+    fast.restore()
+
+
+def test_a_decode_call_with_the_tokens_passed_positionally_is_compiled_too():
+    """A caller's own decode loop may pass the token ids positionally: bound to forward's
+    names, the call is the decode call it is."""
+    from rewriter.devices.executors import CompiledForward
+    torch.manual_seed(0)
+    model = _llama().eval()
+    backend = CountingBackend()
+    runner = CompiledForward(model, backend)
+    with torch.no_grad():
+        out = runner(_prompt(), use_cache=True)  # the prefill: uncompiled
+        assert backend.runs == 0
+        nxt = out.logits[:, -1:].argmax(-1)
+        got = runner(nxt, past_key_values=out.past_key_values, use_cache=True)
+        assert backend.runs == 1
+        want = model(_prompt(), use_cache=True)
+        want = model(nxt, past_key_values=want.past_key_values, use_cache=True)
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+
+
+def test_a_static_cache_holds_tokens_once_written():
+    """transformers 5 allocates a static cache's layers at their first write: before the
+    prefill it is empty (a one-token prompt is a prefill), after it a decode call."""
+    from transformers.cache_utils import StaticCache
+
+    from rewriter.decide.generation import is_decode_call
+    torch.manual_seed(0)
+    model = _llama().eval()
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    one = torch.zeros(1, 1, dtype=torch.long)
+    assert not is_decode_call({"input_ids": one, "past_key_values": cache})
+    with torch.no_grad():
+        model(_prompt(), past_key_values=cache, use_cache=True)
+    assert is_decode_call({"input_ids": one, "past_key_values": cache})

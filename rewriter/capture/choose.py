@@ -103,9 +103,9 @@ class CaptureStage:
     def _capture_mismatch(self, cap: Capture) -> str:
         """The captured graphs against the model. Plain fp32 rounding (GEMMs blocked another
         way) is not a mismatch: beyond the bound, a float64 run of the model judges."""
-        counting = cap.counting_calls() if isinstance(cap, RegionalCapture) else contextlib.nullcontext()
+        counting = cap.counting_calls() if isinstance(cap, DynamoCapture) else contextlib.nullcontext()
         try:
-            if self.job.generation is not None and not getattr(cap, "dynamic_lengths", False):
+            if self.job.generation is not None and not cap.dynamic_lengths:
                 # Dynamo hands over a graph static in a length at its first call and a dynamic
                 # one at the next length: the warm-up leaves the static ones behind, so the
                 # counted run weighs the graphs every later step runs.

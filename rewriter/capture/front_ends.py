@@ -144,6 +144,7 @@ class Capture:
     """A captured model: call it like the model; its slots are what passes rewrite."""
 
     front_end: str = ""
+    dynamic_lengths = False  # traced dynamic in every length from the first call (DynamoCapture)
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
@@ -262,6 +263,20 @@ class DynamoCapture(Capture):
                 _unlogged_trace_headers_skipped(), code_entries.calling(self):
             return self.compiled(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def counting_calls(self) -> Iterator[None]:
+        """Count how often each graph runs in the body (one step of the model). Regional: a
+        block's graph runs once per instance that takes its signature (the first block's input
+        may not need a gradient where the others' do; a checkpoint's recompute is a graph of its
+        own), and the graph between two blocks once per gap; a generation's decode graphs once
+        per decode call, and a graph only a warm-up ran, never. The counts weigh each site's
+        saving."""
+        for s in self.slots:
+            s.runs = 0
+        yield
+        for s in self.slots:
+            s.calls = s.runs
+
     def dynamo_settings(self, recompile_limit: int) -> Any:
         """``torch._dynamo.config.patch`` of the settings our calls run Dynamo with, made once
         per limit and entered at every call: torch's ``patch()`` defines a class each time it is
@@ -272,19 +287,50 @@ class DynamoCapture(Capture):
         or from another thread; an older torch gets a new one per call."""
         patch = self._dynamo_patches.get(recompile_limit)
         if patch is None:
-            extra = {"specialize_float": True} if self.dynamic_lengths else {}
-            patch = torch._dynamo.config.patch(ignore_logging_functions=self._ignored_logging,
-                                               recompile_limit=recompile_limit, **extra)
+            settings = dict(ignore_logging_functions=self._ignored_logging, recompile_limit=recompile_limit)
+            patch = dynamic_length_settings(**settings) if self.dynamic_lengths \
+                else torch._dynamo.config.patch(**settings)
             if reusable_patch(patch):
                 self._dynamo_patches[recompile_limit] = patch
         return patch
 
 
 def reusable_patch(patch: Any) -> bool:
-    """Whether a ``torch._dynamo.config.patch`` object may be entered again, nested or from
-    another thread: torch keeps its saved values in a ContextVar (2.13); an older torch keeps
-    them on the object, and each entry needs a patch of its own."""
+    """Whether a ``torch._dynamo.config.patch`` object (or :class:`Patches` of them) may be
+    entered again, nested or from another thread: torch keeps its saved values in a ContextVar
+    (2.13); an older torch keeps them on the object, and each entry needs a patch of its own."""
+    if isinstance(patch, Patches):
+        return all(reusable_patch(p) for p in patch.patches)
     return isinstance(getattr(patch, "_prior", None), contextvars.ContextVar)
+
+
+class Patches:
+    """Config patches (torch's ``config.patch`` objects) entered and left as one."""
+
+    def __init__(self, patches: list[Any]) -> None:
+        self.patches = patches
+
+    def __enter__(self) -> None:
+        for p in self.patches:
+            p.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for p in reversed(self.patches):
+            p.__exit__(*exc)
+
+
+def dynamic_length_settings(**dynamo: Any) -> Patches:
+    """The settings a trace dynamic in its lengths (``dynamic=True``) runs under, with Dynamo's
+    ``dynamo`` settings: the modules' float attributes as constants (traced as symbols,
+    Inductor had Dynamo trace the whole model again), and no duck sizing: by default sizes of
+    one value share one symbol at a trace's start, so a prompt as long as the head size (64,
+    a common length) would share the head size's symbol and be fixed with it when a weight
+    pins it, leaving a graph static in the prompt's length."""
+    patches = [torch._dynamo.config.patch(specialize_float=True, **dynamo)]
+    fx_config = getattr(torch.fx.experimental, "_config", None)
+    if fx_config is not None and hasattr(fx_config, "use_duck_shape"):
+        patches.append(fx_config.patch(use_duck_shape=False))
+    return Patches(patches)
 
 
 def _weak_backend(cap: "DynamoCapture", block: Any) -> Callable[[GraphModule, list[Any]], Callable[..., Any]]:

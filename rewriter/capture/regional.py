@@ -93,18 +93,6 @@ class RegionalCapture(DynamoCapture):
         return all(name in per and per[name].shape == value.shape and per[name].dtype == value.dtype
                    and torch.equal(per[name], value) for per in tensors)
 
-    @contextlib.contextmanager
-    def counting_calls(self) -> Iterator[None]:
-        """Count how often each graph runs in the body (one step of the model): a block's graph
-        runs once per instance that takes its signature (the first block's input may not need a
-        gradient where the others' do; a checkpoint's recompute is a graph of its own), and the
-        graph between two blocks once per gap. The counts weigh each site's saving."""
-        for s in self.slots:
-            s.runs = 0
-        yield
-        for s in self.slots:
-            s.calls = s.runs
-
     def compile_blocks(self, backend: Callable[..., Any]) -> None:
         """Regional compile: each block graph is compiled by ``backend`` at its first run with
         ``switch.use_compiled`` (once for all the block's instances); so is a block graph

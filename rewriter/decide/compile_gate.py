@@ -258,21 +258,19 @@ class CompileGate:
         unrolls the blocks); a generation with nothing kept: one call's share of that."""
         r = self.run
         gen = r.job.generation
-        if original or (gen is not None and not r.kept):
-            unrolled = sum(max(s.calls, 1) * sum(1 for n in s.original.graph.nodes if n.op in
-                                                 ("call_function", "call_method", "call_module"))
-                           for s in r.cap.slots if s.calls or s.block is None)
-            if original or not isinstance(r.cap, RegionalCapture):
-                return unrolled
-            # a generation compiles its decode call's forward, whole (CompiledForward): the step
-            # unrolls the prefill and each decode call, traces of about one size
+        if gen is not None and not r.kept and not original:
+            # a generation compiles its decode call's forward, whole (CompiledForward), whatever
+            # the capture: the step unrolls the prefill and each decode call, traces of about
+            # one size (graphs the step does not run, a whole capture's warm-up, count nothing)
+            unrolled = sum(s.calls * _calls_in(s.original) for s in r.cap.slots if s.calls > 0)
             return round(unrolled / (1 + gen.decode_calls))
+        if original:
+            return sum(max(s.calls, 1) * _calls_in(s.original)
+                       for s in r.cap.slots if s.calls or s.block is None)
         blocks = [s for s in r.cap.slots if s.block is not None] \
             if r.kept or self._blocks_form() else []
         slots = blocks or list(r.cap.slots)
-        graphs = [s.kept_run if r.kept else s.original for s in slots]
-        return sum(1 for g in graphs for n in g.graph.nodes
-                   if n.op in ("call_function", "call_method", "call_module"))
+        return sum(_calls_in(s.kept_run if r.kept else s.original) for s in slots)
 
     def _cache(self, ex: Executor) -> str | None:
         """Inductor's persistent cache folder, set beside the knowledge base unless set."""
@@ -484,6 +482,11 @@ class CompileGate:
                                         f"the model compiled with {ex.name} runs")
         r.report.final["compiled"] = ex.name
         r.report.notes.append(f"compiled with {ex.name} (gated on the whole step)")
+
+
+def _calls_in(gm: Any) -> int:
+    """A graph's calls (its nodes that compute), what a compile's cost is predicted from."""
+    return sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
 
 
 def _figure_of(d: Decision) -> str:

@@ -167,10 +167,14 @@ def forward_in_place(model: nn.Module, forward: Callable[..., Any]) -> Iterator[
 def is_decode_call(kwargs: dict) -> bool:
     """Whether a forward call is a decode step: one new token (``input_ids`` or
     ``inputs_embeds`` one position long) against a KV cache that already holds tokens. Read from
-    the arguments' structure only (shapes, the cache's own flags), never from a tensor's values,
-    which would wait for the device at every token. A prompt of one token against an empty
-    dynamic cache is a prefill; a static cache that generate() allocated up front reads as
-    holding tokens, so a one-token prompt against it counts as a decode call."""
+    the arguments' structure (shapes, the cache's own flags, a length it keeps as an int), not
+    from a tensor on an accelerator, which would wait for the device at every token. A prompt
+    of one token against an empty cache is a prefill (transformers 5 allocates a cache's layers
+    at their first write, static ones too); a cache allocated before the prefill
+    (``early_initialization``) reads as holding tokens, so a one-token prompt against it counts
+    as a decode call (compiled: the same numbers). A cache that keeps its length as a tensor on
+    an accelerator and has no flag (transformers 4's StaticCache on a GPU) is not read: its
+    calls run the forward uncompiled."""
     ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
     if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
         one = ids.shape[-1] == 1
@@ -189,6 +193,8 @@ def _holds_tokens(cache: Any) -> bool:
     if isinstance(flag, bool):
         return flag
     length = cache.get_seq_length() if callable(getattr(cache, "get_seq_length", None)) else None
+    if isinstance(length, torch.Tensor) and length.numel() == 1 and length.device.type == "cpu":
+        length = int(length)  # a host tensor: no device to wait for
     return isinstance(length, int) and length > 0
 
 

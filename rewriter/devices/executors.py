@@ -40,7 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rewriter.capture.front_ends import Capture, DynamoCapture, FxCapture, GraphSlot, reusable_patch
+from rewriter.capture.front_ends import (Capture, DynamoCapture, FxCapture, GraphSlot,
+                                         dynamic_length_settings, reusable_patch)
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.generation import forward_in_place, is_decode_call
 from rewriter.decide.job import switched
@@ -271,17 +272,18 @@ class CompiledForward:
         self.model = model
         eager = model.forward
         compiled = inspect.unwrap(torch.compile)(eager, backend=backend, dynamic=True)
-        settings = _decode_settings()
+        signature = inspect.signature(eager)
 
         # forward's own signature: generate() reads it to choose the arguments it passes
         @functools.wraps(eager)
         def fn(*args: Any, **kwargs: Any) -> Any:
-            if args or not is_decode_call(kwargs):
+            named = _as_keywords(signature, args, kwargs) if args else kwargs
+            if named is None or not is_decode_call(named):
                 return eager(*args, **kwargs)
-            for value in kwargs.values():
+            for value in named.values():
                 contiguous_cache(value)
-            with settings:
-                return compiled(**kwargs)
+            with _decode_settings():
+                return compiled(**named)
         self.fn = fn
 
     def in_place(self) -> contextlib.AbstractContextManager[None]:
@@ -292,15 +294,34 @@ class CompiledForward:
             return self.model(*args, **kwargs)
 
 
-_DECODE_SETTINGS: list[Any] = []  # the reusable patch, once made
+def _as_keywords(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict | None:
+    """A call's arguments by name, as generate() passes them (a caller's own decode loop may
+    pass the token ids positionally); None when they do not bind or forward takes ``*args``."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    named: dict = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY):
+            return None
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    return named
+
+
+_DECODE_SETTINGS: list[Any] = []  # the reusable patches, once made
 
 
 def _decode_settings() -> Any:
-    """The Dynamo settings a decode call is traced with: float attributes as constants. One
-    patch object where torch allows reusing it (:func:`reusable_patch`), entered per call."""
+    """The settings a decode call is traced with (:func:`dynamic_length_settings`): made once
+    where torch allows entering them again (:func:`reusable_patch`), else anew for each call."""
     if _DECODE_SETTINGS:
         return _DECODE_SETTINGS[0]
-    patch = torch._dynamo.config.patch(specialize_float=True)
+    patch = dynamic_length_settings()
     if reusable_patch(patch):
         _DECODE_SETTINGS.append(patch)
     return patch
