@@ -285,14 +285,13 @@ class DynamoCapture(Capture):
         original on a 2-core Xeon). Reused only where torch keeps a patch's saved values per
         context (a ContextVar, torch 2.13), so one patch object may be entered again, nested,
         or from another thread; an older torch gets a new one per call."""
-        patch = self._dynamo_patches.get(recompile_limit)
-        if patch is None:
-            settings = dict(ignore_logging_functions=self._ignored_logging, recompile_limit=recompile_limit)
-            patch = dynamic_length_settings(**settings) if self.dynamic_lengths \
-                else torch._dynamo.config.patch(**settings)
-            if reusable_patch(patch):
-                self._dynamo_patches[recompile_limit] = patch
-        return patch
+        return self._dynamo_patches.get(recompile_limit) or kept_if_reusable(
+            self._dynamo_patches, recompile_limit, lambda: self._make_settings(recompile_limit))
+
+    def _make_settings(self, recompile_limit: int) -> Any:
+        settings = dict(ignore_logging_functions=self._ignored_logging, recompile_limit=recompile_limit)
+        return dynamic_length_settings(**settings) if self.dynamic_lengths \
+            else torch._dynamo.config.patch(**settings)
 
 
 def reusable_patch(patch: Any) -> bool:
@@ -302,6 +301,15 @@ def reusable_patch(patch: Any) -> bool:
     if isinstance(patch, Patches):
         return all(reusable_patch(p) for p in patch.patches)
     return isinstance(getattr(patch, "_prior", None), contextvars.ContextVar)
+
+
+def kept_if_reusable(cache: dict, key: Any, make: Callable[[], Any]) -> Any:
+    """``make()``'s patch, kept in ``cache`` under ``key`` for the next call where torch allows
+    entering it again (:func:`reusable_patch`); else a new one each time."""
+    patch = make()
+    if reusable_patch(patch):
+        cache[key] = patch
+    return patch
 
 
 class Patches:

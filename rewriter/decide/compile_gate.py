@@ -42,7 +42,7 @@ from rewriter.capture.front_ends import DynamoCapture, FxCapture
 from rewriter.capture.ir import structure_signature
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.amortize import DEFAULT_STEPS, MAX_SAVING, Payback, predict_compile_seconds
-from rewriter.decide.gate import Step, decide, known_verdict, measure, saved_ms
+from rewriter.decide.gate import Step, clear_of_one, decide, known_verdict, measure, saved_ms
 from rewriter.decide.job import switched
 from rewriter.decide.knowledge import entry_key
 from rewriter.decide.run_view import RunView
@@ -133,7 +133,7 @@ class CompileGate:
         speedup, noise = m.get("speedup"), m.get("noise")
         if d.status in ("raised", "failed verification") or speedup is None or noise is None:
             return True
-        return speedup - self.run.settings.gate.noise_widths * noise > 1.0
+        return clear_of_one(speedup, noise, self.run.settings.gate.noise_widths)
 
     def _blocks_gained_nothing(self, ex: Executor, blocks: Decision) -> Decision:
         """The row for the whole model's compile, not tried: with nothing rewritten kept it is
@@ -492,8 +492,6 @@ def _calls_in(gm: Any) -> int:
 def _figure_of(d: Decision) -> str:
     """A kept compile row's speedup, in words."""
     return f"{d.speedup:.3f}x over the rewritten eager step" if d.speedup else "measured faster"
-
-
 
 
 def _cached(known: dict | None, cache: str | None) -> bool:

@@ -28,7 +28,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from rewriter.decide.gate import GateSettings, Measurement, figure, measure
+from rewriter.decide.gate import GateSettings, Measurement, clear_of_one, figure, measure
 from rewriter.decide.run_view import RunView
 
 
@@ -109,7 +109,7 @@ def _confirm(self: Confirmation) -> bool:
         r.report.final = final
         return False
     dispatch = r.dispatch_ms
-    if dispatch > 0 and not slower and m.speedup - widths * m.noise <= 1.0 and _net_prediction(r) <= 0:
+    if dispatch > 0 and not slower and not clear_of_one(m.speedup, m.noise, widths) and _net_prediction(r) <= 0:
         # not confirmed faster, and the regions' own evidence cannot pay for the installed graphs
         for unit in list(r.units):
             _revert(self, unit)
@@ -128,7 +128,7 @@ def _confirm(self: Confirmation) -> bool:
                   "pairs; the kept decisions stand on their own measurements")
     elif slower:
         reason = f"slower: {figure(m)}"  # units ran out (nothing left to revert)
-    elif m.speedup - widths * m.noise > 1.0:
+    elif clear_of_one(m.speedup, m.noise, widths):
         reason = f"confirmed on the whole step: {figure(m)}; predicted saving {predicted:.2f} ms a step"
     else:
         share = 100 * predicted / m.baseline_ms if m.baseline_ms and math.isfinite(m.baseline_ms) else math.nan

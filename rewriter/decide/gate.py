@@ -350,11 +350,16 @@ def known_verdict(known: dict, min_speedup: float, noise_widths: float) -> tuple
     return keep, f"{reason} (knowledge base, measured {known.get('recorded', '')})"
 
 
+def clear_of_one(speedup: float, noise: float, widths: float) -> bool:
+    """Whether a speedup is above 1 by more than ``widths`` noise widths: faster, not noise."""
+    return speedup - widths * noise > 1.0
+
+
 def _verdict(s: float, n: float, min_speedup: float, noise_widths: float, text: str) -> tuple[bool, str]:
     if s < 1.0:
         return False, f"slower: {text}"
     if s < min_speedup:
         return False, f"below min_speedup {min_speedup:g}: {text}"
-    if s - noise_widths * n <= 1.0:
+    if not clear_of_one(s, n, noise_widths):
         return False, f"within noise: {text}"
     return True, f"faster: {text}"

@@ -397,5 +397,3 @@ def _verify_sample(members: list) -> list:
         return members
     picks = sorted({round(i * (len(members) - 1) / (VERIFY_SAMPLE - 1)) for i in range(VERIFY_SAMPLE)})
     return [members[i] for i in picks]
-
-

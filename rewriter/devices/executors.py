@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rewriter.capture.front_ends import (Capture, DynamoCapture, FxCapture, GraphSlot,
-                                         dynamic_length_settings, reusable_patch)
+                                         dynamic_length_settings, kept_if_reusable)
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.generation import forward_in_place, is_decode_call
 from rewriter.decide.job import switched
@@ -313,18 +313,14 @@ def _as_keywords(signature: inspect.Signature, args: tuple, kwargs: dict) -> dic
     return named
 
 
-_DECODE_SETTINGS: list[Any] = []  # the reusable patches, once made
+_DECODE_SETTINGS: dict[str, Any] = {}  # the reusable patches, once made
 
 
 def _decode_settings() -> Any:
     """The settings a decode call is traced with (:func:`dynamic_length_settings`): made once
-    where torch allows entering them again (:func:`reusable_patch`), else anew for each call."""
-    if _DECODE_SETTINGS:
-        return _DECODE_SETTINGS[0]
-    patch = dynamic_length_settings()
-    if reusable_patch(patch):
-        _DECODE_SETTINGS.append(patch)
-    return patch
+    where torch allows entering them again, else anew for each call."""
+    return _DECODE_SETTINGS.get("decode") or kept_if_reusable(_DECODE_SETTINGS, "decode",
+                                                              dynamic_length_settings)
 
 
 def contiguous_cache(cache: Any) -> None:
