@@ -476,14 +476,23 @@ def test_a_regional_model_asked_to_compile_without_steps_compiles_its_blocks_onl
     fast.restore()
 
 
-def test_a_regional_model_with_nothing_rewritten_compiles_each_block_graph_once():
-    """Nothing rewritten kept: the compiled form of a regional capture is still the blocks'
-    (each block's own graph compiled once for every instance), so the compile does not grow
-    with depth; it runs through the installed blocks after optimize()."""
+def test_a_regional_model_with_nothing_rewritten_compiles_each_graph_once():
+    """Nothing rewritten kept: the compiled form of a regional capture is still regional (each
+    block's own graph compiled once for every instance, each graph around the blocks once), so
+    the compile does not grow with depth; it runs through the installed blocks after optimize()."""
     from tests.test_regional import Stack
+
+    class Head(nn.Module):  # a module of the model's own: its frame is captured (torch.nn's is not)
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x)) + 1.0
 
     torch.manual_seed(0)
     model, x = Stack(n=4).eval(), torch.randn(8, 16)
+    model.head = Head()
     with torch.no_grad():
         want = model(x)
     fake = FakeCompiler()
@@ -491,12 +500,15 @@ def test_a_regional_model_with_nothing_rewritten_compiles_each_block_graph_once(
     row = _compile_row(fast)
     assert row.kept and fast.report.kept_passes == ["compile"] and "dynamo" in fast._compiled
     assert not [d for d in fast.report.decisions if any("(original model" in s for s in d.sites)]
-    block_graphs = [s for s in fast._outcome.capture.slots if s.block is not None]
-    assert block_graphs and fake.compiles == len(block_graphs)  # once, not once per layer
+    slots = fast._outcome.capture.slots
+    block_graphs = [s for s in slots if s.block is not None]
+    around = [s for s in slots if s.block is None]  # the head
+    assert block_graphs and around and fake.compiles == len(slots)  # once each, not once per layer
+    assert all(s.compiled_form is not None for s in slots)
     with torch.no_grad():
         before = fake.calls
         torch.testing.assert_close(fast(x), want)
-        assert fake.calls - before == 4  # every layer ran the one compiled block graph
+        assert fake.calls - before == 4 + len(around)  # every layer ran the one compiled block graph
     fast.restore()
 
 
@@ -521,6 +533,6 @@ def test_the_whole_models_compile_is_not_paid_when_the_same_blocks_compiled_gain
         assert whole.kept
     else:
         blocks_row, = [d for d in fast.report.decisions if d.sites == ["fake"]]
-        assert "the same code as the compiled blocks" in whole.reason and not blocks_row.kept
+        assert "the same code as the regional compile" in whole.reason and not blocks_row.kept
         assert whole.measurement["blocks_speedup"] == pytest.approx(1.0, abs=0.05)
     fast.restore()

@@ -243,7 +243,7 @@ class DynamoCapture(Capture):
         slot = GraphSlot(gm, self.switch, name)
         if block is not None:
             slot.block, slot.calls = block.name, len(block.instances)
-            slot.compiler = getattr(self, "block_compiler", None)
+        slot.compiler = getattr(self, "graph_compiler", None)  # regional compile: every graph
         self.slots.append(slot)
         log.debug("dynamo handed over %s with %d nodes", slot.name, len(gm.graph.nodes))
         if self.on_new_graph is not None:

@@ -52,7 +52,7 @@ class RegionalCapture(DynamoCapture):
     def __init__(self, model: nn.Module, reason: str, blocks: list[Any], dynamic_lengths: bool = False) -> None:
         self.blocks = blocks
         self.dynamic_lengths = dynamic_lengths  # read by the block runners (DynamoCapture's)
-        self.block_compiler: Callable[..., Any] | None = None  # regional compile, see compile_blocks
+        self.graph_compiler: Callable[..., Any] | None = None  # regional compile, see compile_graphs
         self.installations = []
         self.lifted_for_good = False  # the compiled original model runs (lift_for_good)
         self._instance_tensors = {b.name: [{**dict(m.named_parameters()), **dict(m.named_buffers())}
@@ -93,14 +93,16 @@ class RegionalCapture(DynamoCapture):
         return all(name in per and per[name].shape == value.shape and per[name].dtype == value.dtype
                    and torch.equal(per[name], value) for per in tensors)
 
-    def compile_blocks(self, backend: Callable[..., Any]) -> None:
-        """Regional compile: each block graph is compiled by ``backend`` at its first run with
-        ``switch.use_compiled`` (once for all the block's instances); so is a block graph
-        Dynamo hands over later (a new signature)."""
-        self.block_compiler = backend
+    def compile_graphs(self, backend: Callable[..., Any]) -> None:
+        """Regional compile: each graph is compiled by ``backend`` at its first run with
+        ``switch.use_compiled``: a block's graph once for all the block's instances, each graph
+        around the blocks (embeddings, the mask, the head and the loss) once; so is a graph
+        Dynamo hands over later (a new signature). The cost stays that of one block at any
+        depth, and the head and the loss are compiled too: BERT's MLM head (its softmax over
+        the vocabulary) is where the compiler gains on that model (see RegionalCompiled)."""
+        self.graph_compiler = backend
         for s in self.slots:
-            if s.block is not None:
-                s.compiler, s.compiled_form = backend, None
+            s.compiler, s.compiled_form = backend, None
 
     @contextlib.contextmanager
     def engaged_in_thread(self) -> Iterator[None]:

@@ -137,19 +137,20 @@ class CompileGate:
 
     def _blocks_gained_nothing(self, ex: Executor, blocks: Decision) -> Decision:
         """The row for the whole model's compile, not tried: with nothing rewritten kept it is
-        the same code as the blocks' compile just measured, plus the graphs around the blocks
-        (embeddings, head, loss) in one trace; the compiled blocks, most of the step, measured
-        no faster than they run now, so its one-time cost (a second compile, of every graph)
-        is not paid on the rest. BERT training (benchmarks.models, steps=20000, 2-core Xeon
-        without AMX): blocks 0.999x, whole model 1.025x, both rejected, 15 s of compile each."""
+        the same code as the regional compile just measured (each block's graph and each graph
+        around the blocks), in one trace, every layer unrolled; that measured no faster than
+        the step it would replace, so a second compile of the same code, growing with depth,
+        is not paid for what one trace fuses across the graphs' edges. BERT training
+        (benchmarks.models, steps=20000, 2-core Xeon without AMX, when the blocks alone were
+        compiled): blocks 0.999x, whole model 1.025x, both rejected, 15 s of compile each."""
         m = blocks.measurement or {}
         figure = f"{m['speedup']:.3f}x ±{m['noise']:.3f}"
         cost = predict_compile_seconds(self._nodes(original=True), self.run.job.training)
         return Decision(NAME, False, "not tried",
-                        f"{self._label(ex, True)}: the same code as the compiled blocks, which "
-                        f"measured no faster than the step they would replace ({figure}); "
-                        f"its compile (predicted {cost:.1f} s) is not paid for the graphs around "
-                        "the blocks alone", scope="step",
+                        f"{self._label(ex, True)}: the same code as the regional compile, which "
+                        f"measured no faster than the step it would replace ({figure}); its "
+                        f"compile (predicted {cost:.1f} s) is not paid for fusing across the "
+                        "graphs' edges alone", scope="step",
                         measurement={"predicted_compile_seconds": round(cost, 3),
                                      "blocks_speedup": m.get("speedup"), "blocks_noise": m.get("noise")})
 
@@ -163,9 +164,9 @@ class CompileGate:
 
     def _blocks_form(self) -> bool:
         """Nothing rewritten kept under a regional capture (training, or one call a step): the
-        compiled form is still the blocks', each block's own graph compiled once for all its
-        instances, so the compile does not grow with depth (the whole model's is the other
-        candidate, :meth:`_original_is_a_candidate`)."""
+        compiled form is still regional, each block's own graph compiled once for all its
+        instances and each graph around them once, so the compile does not grow with depth
+        (the whole model's is the other candidate, :meth:`_original_is_a_candidate`)."""
         r = self.run
         return not r.kept and isinstance(r.cap, RegionalCapture) and r.job.generation is None
 
@@ -251,11 +252,11 @@ class CompileGate:
                                      **p.to_dict()})
 
     def _nodes(self, original: bool = False) -> int:
-        """Calls in the graphs the compiler gets: a regional capture's block graphs (one per
-        class and signature) when rewrites are kept, else every graph of the model (nothing
-        kept: the original model is compiled, see ``_build``); the original model compiled
-        whole beside kept rewrites: every graph as often as it runs in a step (its trace
-        unrolls the blocks); a generation with nothing kept: one call's share of that."""
+        """Calls in the graphs the compiler gets: every graph the step runs, once (a regional
+        capture's block graph serves all its instances; the rewritten graphs when rewrites are
+        kept, else the original ones); the original model compiled whole beside kept rewrites:
+        every graph as often as it runs in a step (its trace unrolls the blocks); a generation
+        with nothing kept: one call's share of that."""
         r = self.run
         gen = r.job.generation
         if gen is not None and not r.kept and not original:
@@ -267,10 +268,8 @@ class CompileGate:
         if original:
             return sum(max(s.calls, 1) * _calls_in(s.original)
                        for s in r.cap.slots if s.calls or s.block is None)
-        blocks = [s for s in r.cap.slots if s.block is not None] \
-            if r.kept or self._blocks_form() else []
-        slots = blocks or list(r.cap.slots)
-        return sum(_calls_in(s.kept_run if r.kept else s.original) for s in slots)
+        return sum(_calls_in(s.kept_run if r.kept else s.original)
+                   for s in r.cap.slots if s.calls or s.block is None)
 
     def _cache(self, ex: Executor) -> str | None:
         """Inductor's persistent cache folder, set beside the knowledge base unless set."""

@@ -366,15 +366,20 @@ class CompiledOriginal:
 
 
 class RegionalCompiled:
-    """Regional compile: each block graph compiled once for all its instances (at its first
-    compiled run), the graphs around the blocks left as they are (eager, rewritten): those are
-    small (embeddings, the mask, the head and the loss), and each would cost a compile of its
-    own. While it runs, the block graphs run compiled; once it is kept, they do so at every call.
+    """Regional compile: each block graph compiled once for all its instances, each graph
+    around the blocks (embeddings, the mask, the head and the loss) once, each at its first
+    compiled run. The cost does not grow with depth; the graphs around the blocks cost one
+    compile each, and they hold what the compiler fuses in some models: BERT training (4
+    layers, fp32, 2-core Xeon without AMX, cold processes, `.diag`-style runs of optimize(
+    steps=20000)): blocks only 0.980x over the rewritten eager step, rejected; every graph
+    1.054x, kept, first compiled step 12.4 -> 14.3 s (the MLM head's softmax over 8000 words
+    and its backward fused). While it runs, the graphs run compiled; once it is kept, they do
+    so at every call.
     """
 
     def __init__(self, cap: RegionalCapture, backend: CompilerBackend) -> None:
         self.cap = cap
-        cap.compile_blocks(backend)
+        cap.compile_graphs(backend)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with switched(self.cap.switch, use_compiled=True):
