@@ -312,3 +312,31 @@ def test_the_decode_graphs_table_names_each_familys_graphs_calls_and_failures():
     assert "| OddConfig | raised: TypeError: no | | | |" in md
     assert md.startswith("# Decode graphs per family\n\n`python -m benchmarks.decode_graphs` — test cpu")
     assert "What: Each causal family of ``benchmarks.families``" in md
+
+
+def test_cold_one_time_costs_are_rows_and_a_failed_process_is_a_row_with_its_error(monkeypatch):
+    """Each configuration's one-time cost comes from a process of its own (an empty Inductor
+    cache and knowledge base in its environment); one that fails is a row saying why."""
+    import subprocess
+    import types
+
+    from benchmarks import cold_one_time
+
+    seen = []
+
+    def fake_run(cmd, env, capture_output, text):
+        seen.append(env)
+        if cmd[-2:] == ["bert", "compile"]:
+            return types.SimpleNamespace(returncode=1, stdout="", stderr="Traceback\nRuntimeError: no g++")
+        return types.SimpleNamespace(returncode=0, stderr="", stdout=json.dumps(
+            {"model": cmd[-2], "config": cmd[-1], "one_time_s": 12.5, "optimize_s": 12.0,
+             "first_step_s": 0.5, "kept": ["kept: fuse_optimizer, compile"]}))
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    rows = [cold_one_time.cold("bert", c, quick=False) for c in ("compile", "optimize_steps20k")]
+    assert all("inductor" in e["TORCHINDUCTOR_CACHE_DIR"] and e["REWRITER_KNOWLEDGE_BASE"] for e in seen)
+    assert seen[0]["TORCHINDUCTOR_CACHE_DIR"] != seen[1]["TORCHINDUCTOR_CACHE_DIR"]  # none shared
+    assert "no g++" in rows[0]["error"] and rows[1]["one_time_s"] == 12.5
+    text = cold_one_time.markdown(rows, "python -m benchmarks.cold_one_time", {"cpu": "X", "isa": {}})
+    assert "| bert | compile | failed |" in text and "RuntimeError: no g++" in text
+    assert "| bert | optimize_steps20k | 12.5 | 12.0 | 0.5 | kept: fuse_optimizer, compile |" in text

@@ -1,0 +1,115 @@
+"""One-time costs taken cold: each configuration alone in a fresh Python process, with an empty
+Inductor cache and an empty knowledge base of its own::
+
+    python -m benchmarks.cold_one_time --out benchmarks            # llama gpt2 bert, training
+    python -m benchmarks.cold_one_time --models bert --configs compile optimize_steps20k
+    python -m benchmarks.cold_one_time --quick                     # tiny sizes: checks it runs
+
+In ``benchmarks.run`` every configuration shares one process and one Inductor cache: a
+configuration that runs after another finds Inductor imported, its ISA checks done and, for
+the same graphs, its kernels built (optimize()'s compile of the original model hits the
+torch.compile row's). Here nothing is shared: the one-time cost is what a user pays in a new
+process, ``optimize()``'s wall time (compile included) plus the first step (torch.compile: its
+first step, the compile). Configurations run one after another, never side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Sequence
+
+DEFAULT_MODELS = ("llama", "gpt2", "bert")
+DEFAULT_CONFIGS = ("compile", "optimize_steps100", "optimize_steps20k")
+
+
+def one_time(model: str, config: str, quick: bool) -> dict:
+    """In this process: build the case, prepare ``config``, run its first step; the seconds."""
+    import copy
+
+    from benchmarks.configs import CONFIGS, Setup
+    from benchmarks.models import build_case
+
+    case = build_case(model, quick=quick, training=True)
+    setup = Setup(case, copy.deepcopy(case.model), True, quick)
+    started = time.perf_counter()
+    variant = CONFIGS[config].prepare(setup)
+    prepared = time.perf_counter()
+    variant.step()
+    first = time.perf_counter() - prepared
+    return {"model": model, "config": config, "one_time_s": round(prepared - started + first, 2),
+            "optimize_s": None if variant.optimize_seconds is None else round(variant.optimize_seconds, 2),
+            "first_step_s": round(first, 2), "kept": [d for d in variant.notes if d.startswith("kept")]}
+
+
+def cold(model: str, config: str, quick: bool) -> dict:
+    """:func:`one_time` in a fresh process with an empty Inductor cache and knowledge base."""
+    with tempfile.TemporaryDirectory(prefix="cold_one_time_") as scratch:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor"),
+               "REWRITER_KNOWLEDGE_BASE": os.path.join(scratch, "knowledge_base.json")}
+        cmd = [sys.executable, "-m", "benchmarks.cold_one_time", "--one", model, config] + \
+            (["--quick"] if quick else [])
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"model": model, "config": config, "error": out.stderr.strip()[-1500:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def markdown(rows: list[dict], command: str, machine: dict) -> str:
+    from benchmarks.measure import isa_text
+
+    lines = ["# One-time costs, each configuration cold in a process of its own", "",
+             f"Command: `{command}`", "",
+             f"Machine: {machine.get('cpu', '?')} ({isa_text(machine)}), {machine.get('cpu_count', '?')} "
+             f"cores, torch {machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}, "
+             f"{machine.get('date', '')}", "",
+             "One-time s: optimize()'s wall time (compile included) plus the first step; for "
+             "torch.compile, its first step (the compile). Each in a fresh process with an empty "
+             "Inductor cache and knowledge base; one after another.", "",
+             "| model | config | one-time s | optimize() s | first step s | notes |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['config']} | failed | | | {r['error'].splitlines()[-1][:200]} |")
+            continue
+        opt = "-" if r["optimize_s"] is None else r["optimize_s"]
+        lines.append(f"| {r['model']} | {r['config']} | {r['one_time_s']} | {opt} | {r['first_step_s']} | "
+                     f"{'; '.join(r['kept'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from benchmarks.configs import CONFIG_NAMES
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cold_one_time", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=DEFAULT_MODELS)
+    p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=CONFIG_NAMES)
+    p.add_argument("--quick", action="store_true", help="tiny sizes (checks the script runs)")
+    p.add_argument("--out", help="folder for COLD_ONE_TIME.md and cold_one_time.json")
+    p.add_argument("--one", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.one:
+        print(json.dumps(one_time(*args.one, args.quick)))
+        return 0
+    from benchmarks.measure import machine_info, write_result
+
+    rows = []
+    for model in args.models:
+        for config in args.configs:
+            rows.append(cold(model, config, args.quick))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    command = "python -m benchmarks.cold_one_time " + " ".join(list(sys.argv[1:] if argv is None else argv))
+    machine = machine_info()
+    text = markdown(rows, command.strip(), machine)
+    if args.out:
+        write_result(args.out, "cold_one_time", {"command": command, "machine": machine, "rows": rows}, text)
+    else:
+        print(text)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
