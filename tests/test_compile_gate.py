@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import rewriter
+from rewriter.decide import compile_gate
 from rewriter.decide.amortize import (MIN_BUDGET, REPAY_FRACTION, Payback, deciding_budget,
                                       predict_compile_seconds)
 from rewriter.devices.backends import get_backend
@@ -512,27 +513,107 @@ def test_a_regional_model_with_nothing_rewritten_compiles_each_graph_once():
     fast.restore()
 
 
-@pytest.mark.parametrize("blocks, original_tried", [(1.0, False), (0.8, True)])
-def test_the_whole_models_compile_is_not_paid_when_the_same_blocks_compiled_gained_nothing(
-        monkeypatch, blocks, original_tried):
-    """Nothing rewritten kept: the blocks' compile and the whole model's are the same code (the
-    whole adds the graphs around the blocks). Compiled blocks no faster than they run now: the
-    second compile is not paid (a row says why); clearly faster: it is tried, and here kept."""
+class _Head(nn.Module):
+    """A head of the model's own (its frame is captured around the blocks; torch.nn's is not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) + 1.0
+
+
+def _headed_stack(n=3):
     from tests.test_regional import Stack
 
-    monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a: 1e-3)
     torch.manual_seed(0)
-    model, x = Stack(n=3).eval(), torch.randn(8, 16)
-    fake = FakeCompiler()
-    fast = _opt(model, (x,), ControlledClock({"compile": blocks, "original": 0.5}), fake,
-                passes=[], regional=True, steps=100_000)
-    whole, = [d for d in fast.report.decisions if d.pass_name == "compile"  # not tried: no site
-              and (d.status == "not tried" or any("(original model" in s for s in d.sites))]
-    assert (whole.status != "not tried") == original_tried, whole.reason
-    if original_tried:
-        assert whole.kept
-    else:
-        blocks_row, = [d for d in fast.report.decisions if d.sites == ["fake"]]
-        assert "the same code as the regional compile" in whole.reason and not blocks_row.kept
-        assert whole.measurement["blocks_speedup"] == pytest.approx(1.0, abs=0.05)
+    model = Stack(n=n).eval()
+    model.head = _Head()
+    return model, torch.randn(8, 16)
+
+
+class GraphRecordingCompiler(FakeCompiler):
+    """A FakeCompiler that keeps the graphs it was handed."""
+
+    def __init__(self):
+        super().__init__()
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return super().__call__(gm, example_inputs)
+
+
+@pytest.mark.parametrize("regional_factor", [1.0, 0.5])
+def test_nothing_rewritten_kept_the_regional_compile_is_the_one_candidate(monkeypatch, regional_factor):
+    """Nothing rewritten kept: the regional compile (every graph, a block's once) and the whole
+    model's are the same code; the whole model's, unrolled and growing with depth, is not
+    paid, whatever the regional one measured (a row says why)."""
+    monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a: 1e-3)
+    model, x = _headed_stack()
+    fast = _opt(model, (x,), ControlledClock({"compile": regional_factor, "original": 0.5}),
+                FakeCompiler(), passes=[], regional=True, steps=100_000)
+    rows = [d for d in fast.report.decisions if d.pass_name == "compile"]
+    tried, = [d for d in rows if d.sites == ["fake"]]
+    whole, = [d for d in rows if d is not tried]
+    assert whole.status == "not tried" and "the same code as the regional compile" in whole.reason
+    assert tried.kept == (regional_factor < 1)
+    fast.restore()
+
+
+def _compiler_makes_a_itself(monkeypatch):
+    monkeypatch.setattr("rewriter.decide.compile_gate.FUSING_EXECUTORS", ("fake",))
+    monkeypatch.setitem(compile_gate.COMPILER_DOES_ITSELF, "a", "a test rewrite the compiler makes")
+    monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a: 1e-3)
+
+
+def test_rewrites_the_compiler_makes_itself_are_set_aside_for_one_compile_of_the_original_graphs(monkeypatch):
+    """Regional capture, every kept rewrite one the compiler makes itself: the one candidate
+    is the original graphs compiled regionally (each once), measured against the rewritten
+    eager step; kept, the rewrite is superseded, the compiled original graphs run, and a plan
+    replays it. The whole original model's compile is not offered."""
+    _compiler_makes_a_itself(monkeypatch)
+    model, x = _headed_stack()
+    with torch.no_grad():
+        want = model(x)
+    fake = GraphRecordingCompiler()
+    fast = _opt(model, (x,), ControlledClock({"a": 0.8, "compile": 0.7, "original": 0.5}), fake,
+                passes=[RewriteRelu("a")], regional=True, steps=100_000)
+    rows = [d for d in fast.report.decisions if d.pass_name == "compile"]
+    tried, = [d for d in rows if d.status != "not tried"]
+    whole, = [d for d in rows if d.status == "not tried"]
+    assert tried.kept and tried.sites == ["fake (original graphs)"] and "(original model" in whole.reason
+    a = next(d for d in fast.report.decisions if d.pass_name == "a")
+    assert a.status == "superseded" and "the original graphs compiled" in a.reason
+    assert fast.report.kept_passes == ["compile"] and fast.report.plan["kept_passes"] == []
+    slots = fast._outcome.capture.slots
+    originals = {id(s.original) for s in slots}
+    assert len(fake.graphs) == len(slots) == 2 and all(id(g) in originals for g in fake.graphs)
+    with torch.no_grad():
+        before = fake.calls
+        torch.testing.assert_close(fast(x), want)
+        assert fake.calls - before == 3 + 1  # three layers through the one block graph, the head
+    clock2 = ControlledClock()
+    again = _opt(model, (x,), clock2, FakeCompiler(), passes=[RewriteRelu("a")], regional=True,
+                 steps=100_000, plan=fast.report.plan)
+    assert [d.status for d in again.report.decisions if d.pass_name == "compile"] == ["replayed"]
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), want)
+    fast.restore()
+    again.restore()
+
+
+def test_the_original_graphs_compiled_and_slower_leave_the_rewrite_kept(monkeypatch):
+    _compiler_makes_a_itself(monkeypatch)
+    model, x = _headed_stack()
+    with torch.no_grad():
+        want = model(x)
+    fast = _opt(model, (x,), ControlledClock({"a": 0.8, "compile": 1.2, "original": 1.0}),
+                FakeCompiler(), passes=[RewriteRelu("a")], regional=True, steps=100_000)
+    tried, = [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
+    assert not tried.kept and tried.sites == ["fake (original graphs)"]
+    assert fast.report.kept_passes == ["a"] and not fast._compiled
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), want)
     fast.restore()

@@ -76,6 +76,7 @@ class GraphSlot:
         # switch.use_compiled, and what it gave (one compile serves every instance of a block)
         self.compiler: Callable[..., Any] | None = None
         self.compiled_form: Callable[..., Any] | None = None
+        self.compile_original = False  # the compiler gets the original graph, not kept_run
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.runs += 1
@@ -89,7 +90,8 @@ class GraphSlot:
             gm = self.compiled if self.compiled is not None else self.kept_run
             if self.switch.use_compiled and self.compiler is not None:
                 if self.compiled_form is None:
-                    self.compiled_form = self.compiler(self.kept_run, list(args))
+                    source = self.original if self.compile_original else self.kept_run
+                    self.compiled_form = self.compiler(source, list(args))
                 gm = self.compiled_form
         if self.switch.deterministic:
             with dropout_disabled():
@@ -244,6 +246,7 @@ class DynamoCapture(Capture):
         if block is not None:
             slot.block, slot.calls = block.name, len(block.instances)
         slot.compiler = getattr(self, "graph_compiler", None)  # regional compile: every graph
+        slot.compile_original = getattr(self, "compile_original", False)
         self.slots.append(slot)
         log.debug("dynamo handed over %s with %d nodes", slot.name, len(gm.graph.nodes))
         if self.on_new_graph is not None:

@@ -5,6 +5,11 @@ After the rewrites are decided and confirmed, each executor the device has
 original model); with graph rewrites kept, also the original model compiled whole, with the
 fused optimizer (``CompiledOriginal``): the compiler is never handed only a worse input than
 the model's own code, and when that form is the faster it runs and the rewrites are superseded.
+Under a regional capture every graph is compiled once (a block's for all its instances), so
+the cost stays flat with depth; there, when every kept graph rewrite is one the compiler makes
+itself (:data:`COMPILER_DOES_ITSELF`), or none is kept, the one candidate is the regional
+compile of the original graphs (kept: the rewrites superseded): one compile of the model's own
+code, and the whole model's compile, the same code unrolled, is not offered (a row says so).
 The compiled form is verified like any rewrite (outputs and gradients against
 the original's, per-dtype bounds, the float64 yardstick beyond them) and timed against the
 rewritten eager step (training: forward + backward + optimizer step; inference: forward), with
@@ -42,7 +47,7 @@ from rewriter.capture.front_ends import DynamoCapture, FxCapture
 from rewriter.capture.ir import structure_signature
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.amortize import DEFAULT_STEPS, MAX_SAVING, Payback, predict_compile_seconds
-from rewriter.decide.gate import Step, clear_of_one, decide, known_verdict, measure, saved_ms
+from rewriter.decide.gate import Step, decide, known_verdict, measure, saved_ms
 from rewriter.decide.job import switched
 from rewriter.decide.knowledge import entry_key
 from rewriter.decide.run_view import RunView
@@ -63,6 +68,21 @@ from rewriter.report import Decision
 log = logging.getLogger("rewriter.progress")
 
 NAME = "compile"  # the decision row's pass_name
+
+# Graph rewrites Inductor makes itself on CPU and CUDA, and how: with only these kept, a regional
+# capture's compile is handed the original graphs (the compiler is never given a worse input
+# than the model's own code, and one compile is paid, not two). On NPU the same passes produce
+# torch_npu's fused operators, which no compiler there makes itself: not in this table.
+COMPILER_DOES_ITSELF: dict[str, str] = {
+    "fuse_attention": "its joint-graph SDPA patterns (torch/_inductor/fx_passes/fuse_attention.py), "
+                      "else its own fused softmax",
+    "fuse_gelu": "pointwise fusion of the written-out tanh GELU",
+    "fuse_layer_norm": "fusion of the mean/variance reductions and their pointwise ops",
+    "fuse_rms_norm": "fusion of the mean-square reduction and its pointwise ops",
+    "make_contiguous": "its own layout and copy decisions",
+}
+FUSING_EXECUTORS = ("inductor",)  # the executors the table speaks for
+INDUCTOR_DEVICES = ("cpu", "cuda")
 
 
 class CompileGate:
@@ -88,12 +108,13 @@ class CompileGate:
             r.report.notes.append("compile: not tried: " + "; ".join(declined))
         steps = self.steps()
         tried = []
-        # the rewritten model compiled; with rewrites kept, also the original model compiled
-        # (with the fused optimizer): the compiler is never handed a worse input than the
-        # model's own code, and the faster of the two runs
-        forms = (False, True) if self._original_is_a_candidate() else (False,)
         for ex in found:
-            blocks_gained: Decision | None = None  # the blocks' compile, when it gained nothing
+            # the rewritten model compiled (under a regional capture whose kept rewrites the
+            # compiler makes itself: its original graphs, the one candidate); with rewrites
+            # kept, also the original model compiled whole (with the fused optimizer): the
+            # compiler is never handed a worse input than the model's own code, and the faster
+            # of the two runs
+            forms = (False, True) if self._original_is_a_candidate(ex) else (False,)
             for original in forms:
                 key = self._key(ex, original)
                 known = r.settings.knowledge_base.get(key)
@@ -101,16 +122,14 @@ class CompileGate:
                 # run's length is known, even when compiling was asked for
                 weigh = choice == "auto" or (original and r.settings.steps is not None)
                 skip = self._not_worth_compiling(ex, steps, known, original) if weigh else None
-                if skip is None and original and blocks_gained is not None:
-                    skip = self._blocks_gained_nothing(ex, blocks_gained)
                 if skip is not None:
                     r.report.decisions.append(skip)
                     log.info("rewriter: compile (%s): not tried: %s", self._label(ex, original), skip.reason)
                 else:
                     tried.append(self._try(ex, steps, key, known, original))
-                    d = tried[-1][0]
-                    if not original and self._blocks_form() and not self._clearly_faster(d):
-                        blocks_gained = d
+            whole = self._whole_not_offered(ex)
+            if whole is not None:
+                r.report.decisions.append(whole)
         kept = [t for t in tried if t[0].kept]
         best = max(kept, key=lambda t: t[0].speedup or 0.0) if kept else None
         for d, _, ex, original in tried:
@@ -122,42 +141,49 @@ class CompileGate:
         if best is not None:
             if best[3]:
                 self._prefer_original(best[0])
+            elif getattr(best[1], "original", False):  # the original graphs compiled, regionally
+                self._supersede(best[0], f"the original graphs compiled ({best[0].sites[0]}) run")
             self._install(best[1], best[2])
         else:
             r.compile_plan = {"executor": found[0].name, "kept": False}
 
-    def _clearly_faster(self, d: Decision) -> bool:
-        """Whether a tried compile measured faster than the step it would replace, clear of the
-        noise (a failed or unmeasured one is not evidence either way: True)."""
-        m = d.measurement or {}
-        speedup, noise = m.get("speedup"), m.get("noise")
-        if d.status in ("raised", "failed verification") or speedup is None or noise is None:
-            return True
-        return clear_of_one(speedup, noise, self.run.settings.gate.noise_widths)
+    def _original_graphs(self, ex: Executor) -> bool:
+        """Under a regional capture, rewrites kept and every one of them a rewrite ``ex`` makes
+        itself (:data:`COMPILER_DOES_ITSELF`): the regional compile is handed each slot's
+        original graph, and when it is kept the rewrites are superseded. One compile, of the
+        model's own code, instead of the rewritten graphs and then the whole original model.
+        Each form in a fresh process beside transformers' SDPA + fused AdamW, eager (`.diag`
+        runs, 2-core Xeon without AMX, training): GPT-2 each layer compiled 1.09x with its
+        eager attention, 1.07x with SDPA; LLaMA 1.09x / 1.05x; BERT 0.97x / 1.00x."""
+        r = self.run
+        return (bool(r.kept) and isinstance(r.cap, RegionalCapture) and r.job.generation is None
+                and ex.name in FUSING_EXECUTORS and r.job.backend.name in INDUCTOR_DEVICES
+                and all(kp.name in COMPILER_DOES_ITSELF for kp in r.kept))
 
-    def _blocks_gained_nothing(self, ex: Executor, blocks: Decision) -> Decision:
-        """The row for the whole model's compile, not tried: with nothing rewritten kept it is
-        the same code as the regional compile just measured (each block's graph and each graph
-        around the blocks), in one trace, every layer unrolled; that measured no faster than
-        the step it would replace, so a second compile of the same code, growing with depth,
-        is not paid for what one trace fuses across the graphs' edges. BERT training
-        (benchmarks.models, steps=20000, 2-core Xeon without AMX, when the blocks alone were
-        compiled): blocks 0.999x, whole model 1.025x, both rejected, 15 s of compile each."""
-        m = blocks.measurement or {}
-        figure = f"{m['speedup']:.3f}x ±{m['noise']:.3f}"
-        cost = predict_compile_seconds(self._nodes(original=True), self.run.job.training)
+    def _whole_not_offered(self, ex: Executor) -> Decision | None:
+        """The row for the whole original model's compile where it would have been weighed
+        but is not offered: the regional compile was of the original graphs (nothing rewritten
+        kept, or only rewrites the compiler makes itself), so the whole model's is the same
+        code in one trace, every layer unrolled; a second compile, growing with depth, for what
+        one trace fuses across the graphs' edges. LLaMA training, steps=20000 (benchmarks.run,
+        2-core Xeon without AMX): the regional compile of every graph 1.17x, the whole model's
+        1.15x, 9.1 and 3.8 s of compile in that process (the second found Inductor warm)."""
+        r = self.run
+        regional = isinstance(r.cap, RegionalCapture) and r.job.generation is None
+        weighed = r.settings.compile == "auto" or r.settings.steps is not None
+        if not (regional and weighed and (self._blocks_form() or self._original_graphs(ex))):
+            return None
+        cost = predict_compile_seconds(self._nodes(original=True), r.job.training)
         return Decision(NAME, False, "not tried",
-                        f"{self._label(ex, True)}: the same code as the regional compile, which "
-                        f"measured no faster than the step it would replace ({figure}); its "
-                        f"compile (predicted {cost:.1f} s) is not paid for fusing across the "
-                        "graphs' edges alone", scope="step",
-                        measurement={"predicted_compile_seconds": round(cost, 3),
-                                     "blocks_speedup": m.get("speedup"), "blocks_noise": m.get("noise")})
+                        f"{self._label(ex, True)}: the same code as the regional compile of the "
+                        f"original graphs, every layer unrolled; its compile (predicted {cost:.1f} s, "
+                        "growing with depth) is not paid for fusing across the graphs' edges alone",
+                        scope="step", measurement={"predicted_compile_seconds": round(cost, 3)})
 
     def _label(self, ex: Executor, original: bool) -> str:
         """A compile candidate's name in the report: the executor, and which model it compiles."""
         if not original:
-            return ex.name
+            return f"{ex.name} (original graphs)" if self._original_graphs(ex) else ex.name
         autocast = self._autocast()
         return f"{ex.name} (original model" + (f", autocast {str(autocast[1]).split('.')[-1]})"
                                                 if autocast else ")")
@@ -170,18 +196,19 @@ class CompileGate:
         r = self.run
         return not r.kept and isinstance(r.cap, RegionalCapture) and r.job.generation is None
 
-    def _original_is_a_candidate(self) -> bool:
+    def _original_is_a_candidate(self, ex: Executor) -> bool:
         """Rewrites are kept (else the original model is what is compiled anyway), a kept
         precision can be run as autocast, the model is called once a step (a generation's
         decode calls compile through CompiledForward), and, under a regional capture, the
-        whole model's compile can be weighed against the run (``compile="auto"`` or ``steps``)."""
+        whole model's compile can be weighed against the run (``compile="auto"`` or ``steps``)
+        and the regional compile was not already of the original graphs."""
         r = self.run
         if isinstance(r.cap, RegionalCapture) and r.settings.compile != "auto" and r.settings.steps is None:
             # asked to compile, the run's length unknown: the blocks are compiled once whatever
             # the depth; the whole model's compile, which grows with it, is not paid unweighed
             return False
-        if self._blocks_form():
-            return True
+        if self._blocks_form() or self._original_graphs(ex):
+            return False  # the same code as the regional compile (see _whole_not_offered)
         # a precision pass is a rewrite the compiler cannot make: the original model compiled
         # runs it as autocast (bf16; fp16's loss scaling lives in the rewritten model only)
         return bool(r.kept) and r.job.generation is None and \
@@ -199,20 +226,23 @@ class CompileGate:
         """The original model compiled beat the rewritten one: it runs (with the fused
         optimizer, if kept); the graph rewrites are superseded, the slots back to the original
         graphs, and a regional capture's installations lifted for good."""
+        self._supersede(decision, f"the original model compiled ({decision.sites[0]}) runs")
+        if isinstance(self.run.cap, RegionalCapture):
+            self.run.cap.lift_for_good()
+
+    def _supersede(self, decision: Decision, what: str) -> None:
+        """A compile of the original code (``what``) is kept: the graph rewrites' rows say they
+        are superseded, and every slot is back to its original graph (the plan keeps none)."""
         r = self.run
         names = {kp.name for kp in r.kept}
         for d in r.report.decisions:
             if d.pass_name in names and d.kept:
                 d.kept, d.status = False, "superseded"
-                d.reason = (f"superseded: the original model compiled runs, faster than the rewritten "
-                            f"model compiled or not ({_figure_of(decision)}); {d.reason}")
+                d.reason = f"superseded: {what}, {_figure_of(decision)}; {d.reason}"
         r.units = [u for u in r.units if u.pass_name not in names]
-        r.report.final["reason"] = (f"{r.report.final.get('reason', '')}; then superseded: the "
-                                    f"original model compiled ({decision.sites[0]}) runs, "
+        r.report.final["reason"] = (f"{r.report.final.get('reason', '')}; then superseded: {what}, "
                                     f"{_figure_of(decision)}").lstrip("; ")
         r.rebuild([])  # nothing kept: every slot back to its original graph
-        if isinstance(r.cap, RegionalCapture):
-            r.cap.lift_for_good()
 
     def steps(self) -> int | None:
         """The run's length the one-time cost is weighed against (None: not weighed)."""
@@ -233,7 +263,7 @@ class CompileGate:
         known_s = known.get("compile_seconds") if known else None
         # a cold figure, and the cache it was compiled into still holds it: the next is warm
         warm = known_s is not None and not known.get("compile_warm") and _cached(known, cache)
-        nodes = self._nodes(original)
+        nodes = self._nodes(original, self._original_graphs(ex))
         cost = predict_compile_seconds(nodes, r.job.training, known_s, warm)
         known_ms = saved_ms(known)
         if known_ms is not None:
@@ -251,12 +281,13 @@ class CompileGate:
                         measurement={"predicted_compile_seconds": round(cost, 3), "nodes": nodes,
                                      **p.to_dict()})
 
-    def _nodes(self, original: bool = False) -> int:
+    def _nodes(self, original: bool = False, original_graphs: bool = False) -> int:
         """Calls in the graphs the compiler gets: every graph the step runs, once (a regional
         capture's block graph serves all its instances; the rewritten graphs when rewrites are
         kept, else the original ones); the original model compiled whole beside kept rewrites:
         every graph as often as it runs in a step (its trace unrolls the blocks); a generation
-        with nothing kept: one call's share of that."""
+        with nothing kept: one call's share of that. ``original_graphs``: the regional compile
+        of the original graphs beside kept rewrites."""
         r = self.run
         gen = r.job.generation
         if gen is not None and not r.kept and not original:
@@ -268,7 +299,7 @@ class CompileGate:
         if original:
             return sum(max(s.calls, 1) * _calls_in(s.original)
                        for s in r.cap.slots if s.calls or s.block is None)
-        return sum(_calls_in(s.kept_run if r.kept else s.original)
+        return sum(_calls_in(s.kept_run if r.kept and not original_graphs else s.original)
                    for s in r.cap.slots if s.calls or s.block is None)
 
     def _cache(self, ex: Executor) -> str | None:
@@ -393,7 +424,8 @@ class CompileGate:
             with r._phase("compile"):
                 runner = compiled_runner(r.job.model, r.cap if r.kept or blocks else None,
                                          ex.resolve(), r._on_new_graph,
-                                         generation=r.job.generation is not None)
+                                         generation=r.job.generation is not None,
+                                         original_graphs=self._original_graphs(ex))
                 self._step(runner).run()
         except Exception as e:  # the backend raised: the eager graphs run
             return None, f"{ex.name} raised while compiling: {type(e).__name__}: {e}"
@@ -408,7 +440,7 @@ class CompileGate:
         base = r.composed_step()
         twin = r.fused_opt.twin(r.job.optimizer) if r.fused_opt is not None else None
         inner = r.job.step(runner, optimizer=twin)
-        if isinstance(runner, CompiledOriginal):
+        if isinstance(runner, CompiledOriginal) or getattr(runner, "original", False):
             passes = (("fuse_optimizer",) if r.fused_opt else ()) + (NAME, "original")
         else:
             passes = base.passes + (NAME,)
@@ -449,10 +481,12 @@ class CompileGate:
 
     def _key(self, ex: Executor, original: bool = False) -> str:
         r = self.run
-        rewritten = r.kept and not original
+        original_graphs = not original and self._original_graphs(ex)
+        rewritten = r.kept and not original and not original_graphs
         graphs = [structure_signature(s.kept_run) for s in r.cap.slots] if rewritten \
             else [structure_signature(s.original) for s in r.cap.slots]
-        form = " (original)" if original else " (blocks)" if self._blocks_form() else ""
+        form = " (original)" if original else " (original graphs)" if original_graphs \
+            else " (blocks)" if self._blocks_form() else ""
         text = "|".join([NAME, ex.name + form, r.job.backend.name,
                          r.job.mode, str(r.job.dtype), plans.graph_hash(graphs),
                          ",".join(plans.input_signature(r.job.args, r.job.kwargs)),

@@ -219,19 +219,21 @@ class CompiledFx:
 
 
 def compiled_runner(model: nn.Module, cap: Capture | None, backend: CompilerBackend,
-                    on_new_graph: Callable[[GraphSlot], None], generation: bool = False) -> Callable[..., Any]:
+                    on_new_graph: Callable[[GraphSlot], None], generation: bool = False,
+                    original_graphs: bool = False) -> Callable[..., Any]:
     """``model`` as it runs after optimize() (``cap``; None: the original model), compiled.
 
     A Dynamo capture is captured again with the backend after our own: each graph Dynamo hands
     over gets the kept rewrites (``on_new_graph``), then goes to the compiler. An fx capture's
     graph is compiled as it is. ``generation``: the original model serves generate(), so its
-    forward is compiled in place of the instance's own (:class:`CompiledForward`)."""
+    forward is compiled in place of the instance's own (:class:`CompiledForward`).
+    ``original_graphs``: a regional capture's original graphs are compiled, not its kept ones."""
     if cap is None:
         if generation:
             return CompiledForward(model, backend)
         return inspect.unwrap(torch.compile)(model, backend=backend)
     if isinstance(cap, RegionalCapture):
-        return RegionalCompiled(cap, backend)
+        return RegionalCompiled(cap, backend, original_graphs)
     if isinstance(cap, DynamoCapture):
         runner = DynamoCapture(model, "compiled candidate", then_compile=backend)
         runner.on_new_graph = on_new_graph
@@ -377,9 +379,10 @@ class RegionalCompiled:
     so at every call.
     """
 
-    def __init__(self, cap: RegionalCapture, backend: CompilerBackend) -> None:
+    def __init__(self, cap: RegionalCapture, backend: CompilerBackend, original: bool = False) -> None:
         self.cap = cap
-        cap.compile_graphs(backend)
+        self.original = original  # the original graphs compiled (the kept rewrites set aside)
+        cap.compile_graphs(backend, original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with switched(self.cap.switch, use_compiled=True):
