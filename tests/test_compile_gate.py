@@ -202,11 +202,23 @@ class SlowCompiler(FakeCompiler):
 def test_a_faster_compile_that_does_not_repay_within_the_run_is_not_kept(mlp):
     model, x = mlp
     # twice as fast on a 10 ms step saves 5 ms a step; 0.3 s of compile needs 60 steps
-    fast = _opt(model, (x,), ControlledClock({"compile": 0.5}), SlowCompiler(0.3), steps=100)
+    fast = _opt(model, (x,), ControlledClock({"compile": 0.5}), SlowCompiler(0.3), steps=50)
     d = _compile_row(fast)
     assert not d.kept and d.status == "rejected" and "does not repay within the run" in d.reason
-    assert d.measurement["break_even_step"] >= 60 and d.measurement["steps"] == 100
+    assert d.measurement["break_even_step"] >= 60 and d.measurement["steps"] == 50
+    assert d.measurement["repays_in_run"] is False
     assert fast.report.plan["compile"] == {"executor": "fake", "kept": False}
+
+
+def test_a_paid_compile_that_repays_within_the_run_but_not_its_first_tenth_is_kept(mlp):
+    """Once compiled and measured faster, the cost is sunk: kept when it repays in the run."""
+    model, x = mlp
+    fast = _opt(model, (x,), ControlledClock({"compile": 0.5}), SlowCompiler(0.3), steps=100)
+    d = _compile_row(fast)
+    m = d.measurement
+    assert REPAY_FRACTION * 100 < m["break_even_step"] <= 100  # ~60 steps of the 100
+    assert d.kept and m["repays"] is False and m["repays_in_run"] is True
+    assert "within the run's steps=100" in d.reason
 
 
 def test_a_faster_compile_that_repays_early_in_a_long_run_is_kept_and_says_when(mlp):
@@ -236,6 +248,7 @@ def test_payback_arithmetic():
     p = Payback(cost_s=20.0, saving_s=0.030, steps=20_000)
     assert math.ceil(p.break_even) == 667 and p.repays
     assert not Payback(20.0, 0.030, 100).repays
+    assert not Payback(20.0, 0.009, 20_000).repays and Payback(20.0, 0.009, 20_000).repays_in_run
     assert Payback(1.0, 0.0, 10**9).break_even == math.inf and not Payback(1.0, -0.1, 10).repays
     assert p.to_dict()["break_even_step"] == 667 and "after 667 steps" in p.describe()
     assert Payback(1.0, 0.0, 10).to_dict()["break_even_step"] is None

@@ -3,12 +3,17 @@ worth it only if its saving per step repays that cost early in the run.
 
 ``optimize(steps=N)`` says how many steps (training) or calls (inference) the caller expects.
 A one-time cost ``C`` and a saving ``s`` per step repay after ``C / s`` steps (the break-even
-step); the candidate is kept when that is within ``REPAY_FRACTION`` of the run, so most of the
-run is profit and a wrong guess of its length costs little::
+step); the cost is paid when that is predicted within ``REPAY_FRACTION`` of the run, so most of
+the run is profit and a wrong guess of its length costs little. Once paid (a compile done and
+measured faster), the cost is sunk: the candidate is kept when its measured saving repays it
+within the run (``repays_in_run``), as the issue's rule has it, and not thrown away for
+missing the tenth by a few steps (BERT, cold: 17.8 s of compile, 8.7 ms saved a step, repaid
+after 2038 steps of 20000)::
 
     p = Payback(cost_s=20.0, saving_s=0.030, steps=20_000)
     p.break_even, p.repays            # (667, True): repaid within the first 2000 steps
     Payback(20.0, 0.030, 100).repays  # False: a 100-step job never gets its 20 s back
+    Payback(20.0, 0.009, 20_000).repays_in_run  # True: paid already, repaid by step 2223
 
 optimize()'s own deciding is a one-time cost too: with ``steps`` known, it gets at most a
 quarter of the run's length (:func:`deciding_budget`, never under ``MIN_BUDGET``), and a run
@@ -65,10 +70,21 @@ class Payback:
 
     @property
     def repays(self) -> bool:
+        """Repaid within the first ``REPAY_FRACTION`` of the run: worth paying."""
         return self.break_even <= REPAY_FRACTION * self.steps
 
-    def describe(self) -> str:
+    @property
+    def repays_in_run(self) -> bool:
+        """Repaid before the run ends: worth keeping once paid."""
+        return self.break_even <= self.steps
+
+    def describe(self, paid: bool = False) -> str:
+        """In words; ``paid``: against the whole run (the cost already paid), else its tenth."""
         be = "never" if math.isinf(self.break_even) else f"after {math.ceil(self.break_even)} steps"
+        if paid:
+            verdict = "within" if self.repays_in_run else "not within"
+            return (f"{self.cost_s:.1f} s once (paid), {1e3 * self.saving_s:.2f} ms saved a step: "
+                    f"repaid {be}, {verdict} the run's steps={self.steps}")
         within = math.floor(REPAY_FRACTION * self.steps)
         verdict = "within" if self.repays else "not within"
         return (f"{self.cost_s:.1f} s once, {1e3 * self.saving_s:.2f} ms saved a step: repaid {be}, "
@@ -77,7 +93,8 @@ class Payback:
     def to_dict(self) -> dict:
         be = None if math.isinf(self.break_even) else math.ceil(self.break_even)
         return {"one_time_seconds": round(self.cost_s, 3), "saving_ms": round(1e3 * self.saving_s, 4),
-                "break_even_step": be, "steps": self.steps, "repays": self.repays}
+                "break_even_step": be, "steps": self.steps, "repays": self.repays,
+                "repays_in_run": self.repays_in_run}
 
 
 def predict_compile_seconds(nodes: int, training: bool, known_s: float | None = None,

@@ -25,8 +25,8 @@ cost (rewriter.decide.amortize): with ``compile="auto"`` it is first predicted (
 base's figure for the same graphs, else a fit on their node count) and not paid at all when
 even saving half of every step would not repay it within the first tenth of the run
 (``optimize(steps=...)``, default 1000 for "auto"); a compiled form that measures faster is
-kept only when its measured saving repays its measured compile seconds likewise (with
-``steps`` given, or "auto"). The row gives the cost, the saving and the break-even step.
+kept only when its measured saving repays its measured compile seconds within the run (with
+``steps`` given, or "auto"; the cost is paid by then, so the whole run, not its tenth). The row gives the cost, the saving and the break-even step.
 Inductor's persistent caches live beside the knowledge base (rewriter.devices.compile_cache).
 A compile that raises is reported with its reason and the eager graphs run. The decision goes into the knowledge base
 (keyed by executor, device, versions, mode, dtype, the rewritten graphs and the inputs) and the
@@ -343,10 +343,10 @@ class CompileGate:
         if steps is not None and step_saving_ms is not None:
             p = Payback(compile_s, step_saving_ms / 1e3, steps)
             m_dict.update(p.to_dict())
-            if keep and not p.repays:
-                keep, reason = False, f"does not repay within the run: {p.describe()}; {reason}"
+            if keep and not p.repays_in_run:  # paid already: kept while it repays in the run
+                keep, reason = False, f"does not repay within the run: {p.describe(paid=True)}; {reason}"
             elif keep:
-                reason = f"{reason}; {p.describe()}"
+                reason = f"{reason}; {p.describe(paid=True)}"
         d = Decision(NAME, keep, "kept" if keep else "rejected",
                      f"{self._label(ex, original)}, whole step: {reason}; first compiled step {compile_s:.1f} s",
                      speedup=m_dict.get("speedup"), noise=m_dict.get("noise"), max_abs_error=err,
