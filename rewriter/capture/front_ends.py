@@ -76,7 +76,9 @@ class GraphSlot:
         # switch.use_compiled, and what it gave (one compile serves every instance of a block)
         self.compiler: Callable[..., Any] | None = None
         self.compiled_form: Callable[..., Any] | None = None
-        self.compile_original = False  # the compiler gets the original graph, not kept_run
+        # what the compiler gets instead of kept_run (a compile candidate with some kept
+        # rewrites set aside, rewriter.decide.compile_gate); None: kept_run
+        self.compile_source: GraphModule | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.runs += 1
@@ -90,7 +92,7 @@ class GraphSlot:
             gm = self.compiled if self.compiled is not None else self.kept_run
             if self.switch.use_compiled and self.compiler is not None:
                 if self.compiled_form is None:
-                    source = self.original if self.compile_original else self.kept_run
+                    source = self.compile_source if self.compile_source is not None else self.kept_run
                     self.compiled_form = self.compiler(source, list(args))
                 gm = self.compiled_form
         if self.switch.deterministic:
@@ -246,7 +248,6 @@ class DynamoCapture(Capture):
         if block is not None:
             slot.block, slot.calls = block.name, len(block.instances)
         slot.compiler = getattr(self, "graph_compiler", None)  # regional compile: every graph
-        slot.compile_original = getattr(self, "compile_original", False)
         self.slots.append(slot)
         log.debug("dynamo handed over %s with %d nodes", slot.name, len(gm.graph.nodes))
         if self.on_new_graph is not None:

@@ -53,7 +53,6 @@ class RegionalCapture(DynamoCapture):
         self.blocks = blocks
         self.dynamic_lengths = dynamic_lengths  # read by the block runners (DynamoCapture's)
         self.graph_compiler: Callable[..., Any] | None = None  # regional compile, see compile_graphs
-        self.compile_original = False
         self.installations = []
         self.lifted_for_good = False  # the compiled original model runs (lift_for_good)
         self._instance_tensors = {b.name: [{**dict(m.named_parameters()), **dict(m.named_buffers())}
@@ -94,18 +93,21 @@ class RegionalCapture(DynamoCapture):
         return all(name in per and per[name].shape == value.shape and per[name].dtype == value.dtype
                    and torch.equal(per[name], value) for per in tensors)
 
-    def compile_graphs(self, backend: Callable[..., Any], original: bool = False) -> None:
+    def compile_graphs(self, backend: Callable[..., Any],
+                       source: Callable[[Any], Any] | None = None) -> None:
         """Regional compile: each graph is compiled by ``backend`` at its first run with
         ``switch.use_compiled``: a block's graph once for all the block's instances, each graph
         around the blocks (embeddings, the mask, the head and the loss) once; so is a graph
         Dynamo hands over later (a new signature). The cost stays that of one block at any
         depth, and the head and the loss are compiled too: BERT's MLM head (its softmax over
         the vocabulary) is where the compiler gains on that model (see RegionalCompiled).
-        ``original``: each slot's original graph is compiled, not what it keeps (the kept
-        rewrites are ones the compiler makes itself; see rewriter.decide.compile_gate)."""
-        self.graph_compiler, self.compile_original = backend, original
+        ``source(slot)``: the graph to compile instead of what the slot keeps (some kept
+        rewrites set aside, ones the compiler makes itself; see rewriter.decide.compile_gate);
+        a graph handed over later gets what it keeps."""
+        self.graph_compiler = backend
         for s in self.slots:
-            s.compiler, s.compiled_form, s.compile_original = backend, None, original
+            s.compiler, s.compiled_form = backend, None
+            s.compile_source = source(s) if source is not None else None
 
     @contextlib.contextmanager
     def engaged_in_thread(self) -> Iterator[None]:

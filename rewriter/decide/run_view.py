@@ -19,6 +19,7 @@ class RunView(Protocol):
     report: Any  # rewriter.report.Report
     cap: Any  # the capture (rewriter.capture.front_ends / rewriter.capture.regional)
     kept: list  # the kept passes, in order (rewriter.decide.kept.KeptPass)
+    ctx: Any  # the passes' PassContext (rebuilding a graph with some kept passes)
     units: list  # the kept decisions (rewriter.decide.confirm.KeptUnit)
     fused_opt: Any  # the fused optimizer decision, or None
     snapshot: Any  # restores the model, optimizer and RNG after each measured run

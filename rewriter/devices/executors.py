@@ -34,7 +34,7 @@ import inspect
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -220,20 +220,22 @@ class CompiledFx:
 
 def compiled_runner(model: nn.Module, cap: Capture | None, backend: CompilerBackend,
                     on_new_graph: Callable[[GraphSlot], None], generation: bool = False,
-                    original_graphs: bool = False) -> Callable[..., Any]:
+                    source: Callable[[GraphSlot], Any] | None = None,
+                    set_aside: Sequence[str] = ()) -> Callable[..., Any]:
     """``model`` as it runs after optimize() (``cap``; None: the original model), compiled.
 
     A Dynamo capture is captured again with the backend after our own: each graph Dynamo hands
     over gets the kept rewrites (``on_new_graph``), then goes to the compiler. An fx capture's
     graph is compiled as it is. ``generation``: the original model serves generate(), so its
     forward is compiled in place of the instance's own (:class:`CompiledForward`).
-    ``original_graphs``: a regional capture's original graphs are compiled, not its kept ones."""
+    ``source``/``set_aside``: a regional capture's graphs compiled are ``source(slot)``, built
+    without the kept rewrites ``set_aside`` (:class:`RegionalCompiled`)."""
     if cap is None:
         if generation:
             return CompiledForward(model, backend)
         return inspect.unwrap(torch.compile)(model, backend=backend)
     if isinstance(cap, RegionalCapture):
-        return RegionalCompiled(cap, backend, original_graphs)
+        return RegionalCompiled(cap, backend, source, set_aside)
     if isinstance(cap, DynamoCapture):
         runner = DynamoCapture(model, "compiled candidate", then_compile=backend)
         runner.on_new_graph = on_new_graph
@@ -379,10 +381,11 @@ class RegionalCompiled:
     so at every call.
     """
 
-    def __init__(self, cap: RegionalCapture, backend: CompilerBackend, original: bool = False) -> None:
+    def __init__(self, cap: RegionalCapture, backend: CompilerBackend,
+                 source: Callable[[GraphSlot], Any] | None = None, set_aside: Sequence[str] = ()) -> None:
         self.cap = cap
-        self.original = original  # the original graphs compiled (the kept rewrites set aside)
-        cap.compile_graphs(backend, original)
+        self.set_aside = tuple(set_aside)  # kept rewrites the compiled graphs are built without
+        cap.compile_graphs(backend, source)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with switched(self.cap.switch, use_compiled=True):
