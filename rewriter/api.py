@@ -118,13 +118,14 @@ def optimize(
         compile: the device's graph compiler as one more gated candidate, after the rewrites:
             the rewritten model compiled (Inductor on CPU/CUDA; on NPU Inductor with
             triton-ascend, npugraph_ex, npugraphs, TorchAir-GE where available; a regional
-            capture compiles each block graph once for all its instances), verified, and kept
+            capture compiles each graph once, a block's for all its instances, without the
+            kept rewrites the compiler makes itself), verified, and kept
             only when the whole step measures faster than the rewritten eager step. A compile
             is a one-time cost weighed against ``steps`` (rewriter.decide.amortize). "auto"
             (default): on every device, when the predicted compile seconds could be repaid
             within the first tenth of the run (at best half of each step saved; the knowledge
             base's figure once it has one), and kept when the measured saving repays the
-            measured compile seconds likewise; True: compiled and measured whatever the cost
+            measured compile seconds within the run (paid by then); True: compiled and measured whatever the cost
             (weighed only when ``steps`` is given); False: never; an executor name
             ("inductor", "npugraphs", ...) or a torch.compile backend callable: that one, as
             True. Inductor's persistent caches are kept beside the knowledge base
@@ -140,8 +141,9 @@ def optimize(
             takes them off. "auto" (default): when the model has blocks and does not trace
             whole with symbolic_trace, or names its blocks (``_no_split_modules``); True: when
             it has blocks; False: one capture of the whole model.
-        steps: how many steps (training) or calls (inference) the run will make; one-time
-            costs must repay within a tenth of it. The trainer integrations pass theirs
+        steps: how many steps (training) or calls (inference) the run will make; a one-time
+            cost is paid where predicted to repay within a tenth of it, and what was paid is
+            kept where it repays within it. The trainer integrations pass theirs
             (transformers' ``max_steps``, Lightning's ``estimated_stepping_batches``). None:
             1000 for ``compile="auto"`` (a short fine-tuning run), not weighed for others.
             Known, it also bounds deciding: ``time_budget`` becomes at most a quarter of the

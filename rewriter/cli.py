@@ -507,8 +507,9 @@ def _parser() -> argparse.ArgumentParser:
                           "its predicted cost repays within a tenth of --steps; the default), on, "
                           "off, or one executor")
     opt.add_argument("--steps", type=_positive_int, default=None, metavar="N",
-                     help="steps (or calls) the run will make; a compile must repay within a "
-                          "tenth of them (default: 1000 for --compile auto)")
+                     help="steps (or calls) the run will make; a compile is paid where predicted "
+                          "to repay within a tenth of them, kept where it repays within them "
+                          "(default: 1000 for --compile auto)")
     opt.add_argument("--min-speedup", type=float, default=1.03, metavar="RATIO",
                      help="keep a rewrite only at least this much faster (default 1.03)")
     opt.add_argument("--objective", choices=("time", "memory"), default="time",

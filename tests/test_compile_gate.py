@@ -482,18 +482,42 @@ def test_a_regional_model_runs_the_original_compiled_with_its_blocks_lifted_for_
         torch.testing.assert_close(fast(x).float(), want, **bf16)
 
 
-def test_a_regional_model_asked_to_compile_without_steps_compiles_its_blocks_only():
-    """The blocks compile once whatever the depth; the whole original model's compile grows
-    with it and is not paid without a run's length to weigh it against."""
+def test_a_regional_bf16_model_asked_to_compile_without_steps_compiles_regionally_only():
+    """The regional compile costs the same at any depth; the whole original model's compile
+    (offered beside a kept bf16 precision, as autocast) grows with it and is not paid without
+    a run's length to weigh it against."""
     from tests.test_regional import Stack
 
     torch.manual_seed(0)
     model, x = Stack(n=3).eval(), torch.randn(8, 16)
-    fast = _opt(model, (x,), ControlledClock({"a": 0.8, "compile": 0.7, "original": 0.5}),
-                FakeCompiler(), passes=[RewriteRelu("a")], regional=True)
-    assert _compile_row(fast).kept
+    fast = _opt(model, (x,), ControlledClock({"cast_to_half": 0.8, "compile": 0.7, "original": 0.5}),
+                FakeCompiler(), passes=["cast_to_half"], dtype=torch.bfloat16, device=Bf16Cpu(),
+                regional=True)
+    assert "cast_to_half" in fast.report.kept_passes and _compile_row(fast).kept
     assert not [d for d in fast.report.decisions if any("(original model" in s for s in d.sites)]
     fast.restore()
+
+
+def test_a_kept_regional_compile_runs_its_own_executors_graphs_after_another_was_tried():
+    """The slots hold one executor's compiled forms at a time (NPU offers several): keeping
+    the first one tried compiles its graphs again rather than run the last one's."""
+    from rewriter.capture.blocks import find_blocks
+    from rewriter.capture.regional import RegionalCapture
+    from rewriter.devices.executors import RegionalCompiled
+
+    model, x = _headed_stack()
+    cap = RegionalCapture(model, "test", find_blocks(model))
+    with torch.no_grad():
+        want = cap(x)
+        first, second = FakeCompiler(), FakeCompiler()
+        runners = [RegionalCompiled(cap, first), RegionalCompiled(cap, second)]
+        for runner in runners:
+            runner(x)  # each compiled and run while tried
+        runners[0].keep()
+        before = (first.calls, second.calls)
+        torch.testing.assert_close(cap(x), want)
+        assert first.calls > before[0] and second.calls == before[1]
+    cap.remove()
 
 
 def test_a_regional_model_with_nothing_rewritten_compiles_each_graph_once():
@@ -606,6 +630,7 @@ def test_rewrites_the_compiler_makes_itself_are_set_aside_for_one_compile_of_the
     a = next(d for d in fast.report.decisions if d.pass_name == "a")
     assert a.status == "superseded" and "compiled without them (fake (original graphs))" in a.reason
     assert fast.report.kept_passes == ["compile"] and fast.report.plan["kept_passes"] == []
+    assert fast.report.plan["compile"]["set_aside"] == ["a"]
     slots = fast._outcome.capture.slots
     assert len(fake.graphs) == len(slots) == 2  # the block's graph once, the head's
     assert sorted(map(_relus, fake.graphs)) == sorted(_relus(s.original) for s in slots) == [0, 1]

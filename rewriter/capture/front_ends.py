@@ -46,7 +46,7 @@ class Switch:
 
     use_candidate: bool = False
     deterministic: bool = False  # dropout off, for the numerics check
-    use_compiled: bool = False  # regional compile: block graphs run their compiled form
+    use_compiled: bool = False  # regional compile: the graphs run their compiled form
 
 
 class GraphSlot:
@@ -72,8 +72,9 @@ class GraphSlot:
         self.calls = 1  # runs per model call (regional capture: as counted, see counting_calls)
         self.block: str | None = None  # the block class whose forward this graph is
         self.runs = 0
-        # regional compile: the backend that compiles kept_run at its first run with
-        # switch.use_compiled, and what it gave (one compile serves every instance of a block)
+        # regional compile: the backend that compiles kept_run (or compile_source) at its first
+        # run with switch.use_compiled, and what it gave (one compile serves every instance of
+        # a block)
         self.compiler: Callable[..., Any] | None = None
         self.compiled_form: Callable[..., Any] | None = None
         # what the compiler gets instead of kept_run (a compile candidate with some kept

@@ -5,8 +5,8 @@ worth it only if its saving per step repays that cost early in the run.
 A one-time cost ``C`` and a saving ``s`` per step repay after ``C / s`` steps (the break-even
 step); the cost is paid when that is predicted within ``REPAY_FRACTION`` of the run, so most of
 the run is profit and a wrong guess of its length costs little. Once paid (a compile done and
-measured faster), the cost is sunk: the candidate is kept when its measured saving repays it
-within the run (``repays_in_run``), as the issue's rule has it, and not thrown away for
+measured faster), it is kept when its measured saving repays it within the run
+(``repays_in_run``: nothing with a one-time cost is kept that does not), not thrown away for
 missing the tenth by a few steps (BERT, cold: 17.8 s of compile, 8.7 ms saved a step, repaid
 after 2038 steps of 20000)::
 

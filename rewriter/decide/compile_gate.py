@@ -6,10 +6,10 @@ original model); with graph rewrites kept, also the original model compiled whol
 fused optimizer (``CompiledOriginal``): the compiler is never handed only a worse input than
 the model's own code, and when that form is the faster it runs and the rewrites are superseded.
 Under a regional capture every graph is compiled once (a block's for all its instances), so
-the cost stays flat with depth; there, when every kept graph rewrite is one the compiler makes
-itself (:data:`COMPILER_DOES_ITSELF`), or none is kept, the one candidate is the regional
-compile of the original graphs (kept: the rewrites superseded): one compile of the model's own
-code, and the whole model's compile, the same code unrolled, is not offered (a row says so).
+the cost stays flat with depth, and, unless a kept bf16 precision is to run as autocast, that
+is the one candidate: its graphs are built with only the kept rewrites the compiler cannot
+make itself (those in :data:`COMPILER_DOES_ITSELF` set aside, superseded when it is kept), and
+the whole model's compile, the same graphs unrolled, is not offered (a row says so).
 The compiled form is verified like any rewrite (outputs and gradients against
 the original's, per-dtype bounds, the float64 yardstick beyond them) and timed against the
 rewritten eager step (training: forward + backward + optimizer step; inference: forward), with
@@ -94,6 +94,7 @@ class CompileGate:
 
     def __init__(self, run: RunView) -> None:
         self.run = run
+        self._replaying = False  # a plan's compile: what the plan keeps, nothing set aside
 
     # --- deciding ------------------------------------------------------------------------------
     def decide(self) -> None:
@@ -110,13 +111,13 @@ class CompileGate:
         if declined:
             r.report.notes.append("compile: not tried: " + "; ".join(declined))
         steps = self.steps()
-        tried = []
+        tried, not_offered = [], []
         for ex in found:
-            # the rewritten model compiled (under a regional capture whose kept rewrites the
-            # compiler makes itself: its original graphs, the one candidate); with rewrites
-            # kept, also the original model compiled whole (with the fused optimizer): the
-            # compiler is never handed a worse input than the model's own code, and the faster
-            # of the two runs
+            # the rewritten model compiled (under a regional capture, regionally, without the
+            # kept rewrites the compiler makes itself); with rewrites kept and no regional
+            # capture (or a kept bf16 precision), also the original model compiled whole (with
+            # the fused optimizer): the compiler is never handed a worse input than the model's
+            # own code, and the faster of the two runs
             forms = (False, True) if self._original_is_a_candidate(ex) else (False,)
             for original in forms:
                 key = self._key(ex, original)
@@ -132,7 +133,7 @@ class CompileGate:
                     tried.append(self._try(ex, steps, key, known, original))
             whole = self._whole_not_offered(ex)
             if whole is not None:
-                r.report.decisions.append(whole)
+                not_offered.append(whole)
         kept = [t for t in tried if t[0].kept]
         best = max(kept, key=lambda t: t[0].speedup or 0.0) if kept else None
         for d, _, ex, original in tried:
@@ -141,6 +142,7 @@ class CompileGate:
                 d.reason = f"{self._label(best[2], best[3])} is faster still; {d.reason}"
             r.report.decisions.append(d)
             log.info("rewriter: compile (%s): %s: %s", self._label(ex, original), d.status, d.reason)
+        r.report.decisions += not_offered  # after the rows of what was tried
         if best is not None:
             if best[3]:
                 self._prefer_original(best[0])
@@ -152,7 +154,7 @@ class CompileGate:
             r.compile_plan = {"executor": found[0].name, "kept": False}
 
     def _set_aside(self, ex: Executor) -> list[str]:
-        """Under a regional capture (fp32: no precision pass kept), the kept graph rewrites
+        """Under a regional capture (no kept bf16 precision to run as autocast), the kept graph rewrites
         ``ex`` makes itself (:data:`COMPILER_DOES_ITSELF`): the regional compile, the one
         candidate, is handed graphs built without them (with only the kept rewrites it cannot
         make, item 3 of issue 31), and when it is kept they are superseded. Each form in a
@@ -160,7 +162,7 @@ class CompileGate:
         without AMX, training): GPT-2 each layer compiled 1.09x with its eager attention and
         GELU, 1.07x with SDPA; LLaMA 1.09x / 1.05x."""
         r = self.run
-        if not (self._regional_one_candidate() and ex.name in FUSING_EXECUTORS
+        if self._replaying or not (self._regional_one_candidate() and ex.name in FUSING_EXECUTORS
                 and r.job.backend.name in INDUCTOR_DEVICES):
             return []
         return [kp.name for kp in r.kept if kp.name in COMPILER_DOES_ITSELF]
@@ -209,8 +211,7 @@ class CompileGate:
     def _blocks_form(self) -> bool:
         """Nothing rewritten kept under a regional capture (training, or one call a step): the
         compiled form is still regional, each block's own graph compiled once for all its
-        instances and each graph around them once, so the compile does not grow with depth
-        (the whole model's is the other candidate, :meth:`_original_is_a_candidate`)."""
+        instances and each graph around them once, so the compile does not grow with depth."""
         r = self.run
         return not r.kept and isinstance(r.cap, RegionalCapture) and r.job.generation is None
 
@@ -219,11 +220,11 @@ class CompileGate:
         precision can be run as autocast, the model is called once a step (a generation's
         decode calls compile through CompiledForward), and, under a regional capture, the
         whole model's compile can be weighed against the run (``compile="auto"`` or ``steps``)
-        and the regional compile was not already of the original graphs."""
+        and is offered at all (beside a kept bf16 precision only, :meth:`_regional_one_candidate`)."""
         r = self.run
         if isinstance(r.cap, RegionalCapture) and r.settings.compile != "auto" and r.settings.steps is None:
-            # asked to compile, the run's length unknown: the blocks are compiled once whatever
-            # the depth; the whole model's compile, which grows with it, is not paid unweighed
+            # asked to compile, the run's length unknown: the regional compile costs the same at
+            # any depth; the whole model's compile, which grows with it, is not paid unweighed
             return False
         if self._regional_one_candidate():
             return False  # see _whole_not_offered
@@ -389,8 +390,10 @@ class CompileGate:
                                                "; ".join(declined), scope="step"))
             return
         ex = found[0]
-        # the form the plan kept (what was measured), whatever would be offered afresh
+        # the form the plan kept (what was measured), whatever would be offered afresh: a
+        # compile with rewrites set aside left them out of the plan's kept passes
         original = entry.get("form") == "original" and r.job.generation is None
+        self._replaying = True
         runner, compile_s, problem = self._build(ex, original)
         if problem is not None:
             r.report.decisions.append(self._failed(ex, "raised", problem))
@@ -517,8 +520,10 @@ class CompileGate:
         rewritten = r.kept and not original
         graphs = [structure_signature(s.kept_run) for s in r.cap.slots] if rewritten \
             else [structure_signature(s.original) for s in r.cap.slots]
-        form = " (original)" if original else f" (without {','.join(aside)})" if aside \
-            else " (blocks)" if self._blocks_form() else ""
+        # a regional compile compiles every graph (before this form name, the blocks only)
+        regional = isinstance(r.cap, RegionalCapture) and r.job.generation is None
+        form = " (original)" if original else \
+            (" (regional" + (f", without {','.join(aside)}" if aside else "") + ")" if regional else "")
         text = "|".join([NAME, ex.name + form, r.job.backend.name,
                          r.job.mode, str(r.job.dtype), plans.graph_hash(graphs),
                          ",".join(plans.input_signature(r.job.args, r.job.kwargs)),
@@ -541,6 +546,8 @@ class CompileGate:
         r.compile_plan = {"executor": ex.name, "kept": True}
         if isinstance(runner, CompiledOriginal):
             r.compile_plan["form"] = "original"
+        elif getattr(runner, "set_aside", ()):  # superseded, out of the plan's kept passes
+            r.compile_plan["set_aside"] = list(runner.set_aside)
         if not r.report.final.get("kept"):  # no rewrite kept: the original model, compiled, runs
             r.report.final["kept"] = True
             r.report.final["reason"] = (f"{r.report.final.get('reason', 'no rewrite was kept')}; "

@@ -383,7 +383,7 @@ class RegionalCompiled:
 
     def __init__(self, cap: RegionalCapture, backend: CompilerBackend,
                  source: Callable[[GraphSlot], Any] | None = None, set_aside: Sequence[str] = ()) -> None:
-        self.cap = cap
+        self.cap, self.backend, self.source = cap, backend, source
         self.set_aside = tuple(set_aside)  # kept rewrites the compiled graphs are built without
         cap.compile_graphs(backend, source)
 
@@ -392,7 +392,11 @@ class RegionalCompiled:
             return self.cap(*args, **kwargs)
 
     def keep(self) -> None:
-        """From now on the installed blocks run their compiled graphs, whoever calls them."""
+        """From now on the installed blocks run their compiled graphs, whoever calls them. The
+        slots hold one executor's compiled forms at a time: where another executor was tried
+        after this one (NPU offers several), this one's are compiled again, at their next run."""
+        if self.cap.graph_compiler is not self.backend:
+            self.cap.compile_graphs(self.backend, self.source)
         self.cap.switch.use_compiled = True
 
 
