@@ -687,3 +687,28 @@ def test_the_original_graphs_compiled_and_slower_leave_the_rewrite_kept(monkeypa
     with torch.no_grad():
         torch.testing.assert_close(fast(x), want)
     fast.restore()
+
+
+def test_the_knowledge_base_tells_a_compile_with_rewrites_set_aside_from_one_without(monkeypatch, tmp_path):
+    """Same model, same kept rewrite: the compile of graphs without it and the compile of the
+    rewritten graphs are different compiles, remembered apart; each is reused as itself."""
+    _compiler_makes_a_itself(monkeypatch)
+    kb = tmp_path / "kb.json"
+    model, x = _headed_stack()
+
+    def run(costs):
+        clock = ControlledClock(costs)
+        fast = _opt(model, (x,), clock, FakeCompiler(), passes=[RewriteRelu("a")], regional=True,
+                    steps=100_000, knowledge_base=kb)
+        row, = [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
+        fast.restore()
+        return row, clock
+
+    first, _ = run({"a": 0.8, "compile": 0.7, "original": 0.5})
+    assert first.kept and first.sites == ["fake (original graphs)"]
+    again, clock = run({"a": 0.8, "compile": 3.0, "original": 3.0})  # slower, were it measured
+    assert again.kept and "knowledge base" in again.reason and _compiled_samples(clock) == 0
+    monkeypatch.delitem(compile_gate.COMPILER_DOES_ITSELF, "a")  # now the rewritten graphs
+    other, clock = run({"a": 0.8, "compile": 3.0, "original": 3.0})
+    assert other.sites == ["fake"] and not other.kept and "knowledge base" not in other.reason
+    assert _compiled_samples(clock) > 0  # measured: not the set-aside compile's entry
