@@ -290,8 +290,8 @@ class DynamoCapture(Capture):
         original on a 2-core Xeon). Reused only where torch keeps a patch's saved values per
         context (a ContextVar, torch 2.13), so one patch object may be entered again, nested,
         or from another thread; an older torch gets a new one per call."""
-        return self._dynamo_patches.get(recompile_limit) or kept_if_reusable(
-            self._dynamo_patches, recompile_limit, lambda: self._make_settings(recompile_limit))
+        return kept_if_reusable(self._dynamo_patches, recompile_limit,
+                                lambda: self._make_settings(recompile_limit))
 
     def _make_settings(self, recompile_limit: int) -> Any:
         settings = dict(ignore_logging_functions=self._ignored_logging, recompile_limit=recompile_limit)
@@ -309,8 +309,11 @@ def reusable_patch(patch: Any) -> bool:
 
 
 def kept_if_reusable(cache: dict, key: Any, make: Callable[[], Any]) -> Any:
-    """``make()``'s patch, kept in ``cache`` under ``key`` for the next call where torch allows
-    entering it again (:func:`reusable_patch`); else a new one each time."""
+    """The patch ``cache`` keeps under ``key``, else ``make()``'s, kept there for the next call
+    where torch allows entering it again (:func:`reusable_patch`); else a new one each time."""
+    patch = cache.get(key)
+    if patch is not None:
+        return patch
     patch = make()
     if reusable_patch(patch):
         cache[key] = patch

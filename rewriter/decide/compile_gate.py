@@ -202,8 +202,8 @@ class CompileGate:
             aside = self._set_aside(ex)
             if not aside:
                 return ex.name
-            kept = len(aside) == len(self.run.kept)
-            return f"{ex.name} (original graphs)" if kept else f"{ex.name} (without {', '.join(aside)})"
+            every = len(aside) == len(self.run.kept)  # nothing rewritten left: the original graphs
+            return f"{ex.name} (original graphs)" if every else f"{ex.name} (without {', '.join(aside)})"
         autocast = self._autocast()
         return f"{ex.name} (original model" + (f", autocast {str(autocast[1]).split('.')[-1]})"
                                                 if autocast else ")")
@@ -284,7 +284,7 @@ class CompileGate:
         known_s = known.get("compile_seconds") if known else None
         # a cold figure, and the cache it was compiled into still holds it: the next is warm
         warm = known_s is not None and not known.get("compile_warm") and _cached(known, cache)
-        nodes = self._nodes(original, bool(self._set_aside(ex)))
+        nodes = self._nodes(original, set_aside=bool(self._set_aside(ex)))
         cost = predict_compile_seconds(nodes, r.job.training, known_s, warm)
         known_ms = saved_ms(known)
         if known_ms is not None:
@@ -302,13 +302,13 @@ class CompileGate:
                         measurement={"predicted_compile_seconds": round(cost, 3), "nodes": nodes,
                                      **p.to_dict()})
 
-    def _nodes(self, original: bool = False, original_graphs: bool = False) -> int:
+    def _nodes(self, original: bool = False, set_aside: bool = False) -> int:
         """Calls in the graphs the compiler gets: every graph the step runs, once (a regional
         capture's block graph serves all its instances; the rewritten graphs when rewrites are
         kept, else the original ones); the original model compiled whole beside kept rewrites:
         every graph as often as it runs in a step (its trace unrolls the blocks); a generation
-        with nothing kept: one call's share of that. ``original_graphs``: the regional compile
-        with kept rewrites set aside (counted on the original graphs)."""
+        with nothing kept: one call's share of that. ``set_aside``: the regional compile with
+        kept rewrites set aside (counted on the original graphs)."""
         r = self.run
         gen = r.job.generation
         if gen is not None and not r.kept and not original:
@@ -320,7 +320,7 @@ class CompileGate:
         if original:
             return sum(max(s.calls, 1) * _calls_in(s.original)
                        for s in r.cap.slots if s.calls or s.block is None)
-        return sum(_calls_in(s.kept_run if r.kept and not original_graphs else s.original)
+        return sum(_calls_in(s.kept_run if r.kept and not set_aside else s.original)
                    for s in r.cap.slots if s.calls or s.block is None)
 
     def _cache(self, ex: Executor) -> str | None:

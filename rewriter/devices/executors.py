@@ -323,8 +323,7 @@ _DECODE_SETTINGS: dict[str, Any] = {}  # the reusable patches, once made
 def _decode_settings() -> Any:
     """The settings a decode call is traced with (:func:`dynamic_length_settings`): made once
     where torch allows entering them again, else anew for each call."""
-    return _DECODE_SETTINGS.get("decode") or kept_if_reusable(_DECODE_SETTINGS, "decode",
-                                                              dynamic_length_settings)
+    return kept_if_reusable(_DECODE_SETTINGS, "decode", dynamic_length_settings)
 
 
 def contiguous_cache(cache: Any) -> None:
