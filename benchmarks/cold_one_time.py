@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Sequence
 
@@ -48,12 +45,11 @@ def one_time(model: str, config: str, quick: bool) -> dict:
 
 def cold(model: str, config: str, quick: bool) -> dict:
     """:func:`one_time` in a fresh process with an empty Inductor cache and knowledge base."""
-    with tempfile.TemporaryDirectory(prefix="cold_one_time_") as scratch:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor"),
-               "REWRITER_KNOWLEDGE_BASE": os.path.join(scratch, "knowledge_base.json")}
-        cmd = [sys.executable, "-m", "benchmarks.cold_one_time", "--one", model, config] + \
-            (["--quick"] if quick else [])
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    from benchmarks.measure import in_fresh_process
+
+    cmd = [sys.executable, "-m", "benchmarks.cold_one_time", "--one", model, config] + \
+        (["--quick"] if quick else [])
+    out = in_fresh_process(cmd, knowledge_base=True)
     if out.returncode != 0:
         return {"model": model, "config": config, "error": out.stderr.strip()[-1500:]}
     return json.loads(out.stdout.strip().splitlines()[-1])

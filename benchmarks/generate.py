@@ -28,7 +28,6 @@ import argparse
 import copy
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from benchmarks.measure import BENCH_GATE, QUICK_GATE, isa_text, machine_info, side_by_side, write_result
+from benchmarks.measure import (BENCH_GATE, QUICK_GATE, in_fresh_process, isa_text, machine_info,
+                                side_by_side, write_result)
 
 NEW_TOKENS = 48
 SERVING_CALLS = 100_000  # generate() calls a serving process expects (optimize(steps=))
@@ -124,10 +124,7 @@ def cold_one_time(name: str, argv: Sequence[str]) -> float | None:
     """Configuration ``name``'s one-time cost in a fresh Python process with an empty Inductor
     cache of its own (``argv``: this run's size, dtype and device options); None, with the
     child's last words printed, when that process fails (the run's other figures stand)."""
-    with tempfile.TemporaryDirectory(prefix="generate_cold_") as cache:
-        out = subprocess.run([sys.executable, "-m", "benchmarks.generate", "--cold", name, *argv],
-                             env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache},
-                             capture_output=True, text=True)
+    out = in_fresh_process([sys.executable, "-m", "benchmarks.generate", "--cold", name, *argv])
     if out.returncode != 0:
         print(f"cold one-time of {name} failed (exit {out.returncode}): {out.stderr[-2000:]}", file=sys.stderr)
         return None

@@ -15,6 +15,8 @@ import datetime
 import os
 import platform
 import statistics
+import subprocess
+import tempfile
 from typing import Any, Callable
 
 import torch
@@ -152,3 +154,14 @@ def write_result(out_dir: str, stem: str, result: dict, markdown: str) -> None:
     with open(os.path.join(out_dir, f"{stem.upper()}.md"), "w") as f:
         f.write(markdown)
     print(markdown)
+
+
+def in_fresh_process(cmd: list[str], knowledge_base: bool = False) -> subprocess.CompletedProcess:
+    """``cmd`` run in a new process with an empty Inductor cache of its own (and, with
+    ``knowledge_base``, an empty rewriter knowledge base): a one-time cost taken cold, nothing
+    left by an earlier configuration. Output captured as text."""
+    with tempfile.TemporaryDirectory(prefix="cold_") as scratch:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor")}
+        if knowledge_base:
+            env["REWRITER_KNOWLEDGE_BASE"] = os.path.join(scratch, "knowledge_base.json")
+        return subprocess.run(cmd, env=env, capture_output=True, text=True)
