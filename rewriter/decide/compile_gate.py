@@ -5,11 +5,13 @@ After the rewrites are decided and confirmed, each executor the device has
 original model); with graph rewrites kept, also the original model compiled whole, with the
 fused optimizer (``CompiledOriginal``): the compiler is never handed only a worse input than
 the model's own code, and when that form is the faster it runs and the rewrites are superseded.
-Under a regional capture every graph is compiled once (a block's for all its instances), so
-the cost stays flat with depth, and, unless a kept bf16 precision is to run as autocast, that
-is the one candidate: its graphs are built with only the kept rewrites the compiler cannot
-make itself (those in :data:`COMPILER_DOES_ITSELF` set aside, superseded when it is kept), and
-the whole model's compile, the same graphs unrolled, is not offered (a row says so).
+Under a regional capture there is one candidate, so one compile is paid: every graph compiled
+once (a block's for all its instances, so the cost stays flat with depth), built with only the
+kept rewrites the compiler cannot make itself (those in :data:`COMPILER_DOES_ITSELF` set aside,
+superseded when it is kept), the whole model's compile, the same graphs unrolled, not offered
+(a row says so); beside a kept bf16 precision, the other way round: the original model under
+autocast compiled whole, the form that won on every model measured, and the regional compile
+of the bf16 graphs not offered (:meth:`CompileGate._regional_not_offered`).
 The compiled form is verified like any rewrite (outputs and gradients against
 the original's, per-dtype bounds, the float64 yardstick beyond them) and timed against the
 rewritten eager step (training: forward + backward + optimizer step; inference: forward), with
@@ -118,7 +120,7 @@ class CompileGate:
             # capture (or a kept bf16 precision), also the original model compiled whole (with
             # the fused optimizer): the compiler is never handed a worse input than the model's
             # own code, and the faster of the two runs
-            forms = (False, True) if self._original_is_a_candidate(ex) else (False,)
+            forms = self._forms(ex)
             for original in forms:
                 key = self._key(ex, original)
                 known = r.settings.knowledge_base.get(key)
@@ -131,9 +133,9 @@ class CompileGate:
                     log.info("rewriter: compile (%s): not tried: %s", self._label(ex, original), skip.reason)
                 else:
                     tried.append(self._try(ex, steps, key, known, original))
-            whole = self._whole_not_offered(ex)
-            if whole is not None:
-                not_offered.append(whole)
+            row = self._whole_not_offered(ex) or self._regional_not_offered(ex)
+            if row is not None:
+                not_offered.append(row)
         kept = [t for t in tried if t[0].kept]
         best = max(kept, key=lambda t: t[0].speedup or 0.0) if kept else None
         for d, _, ex, original in tried:
@@ -171,9 +173,40 @@ class CompileGate:
         """A regional capture, not a generation, no kept precision to run as autocast: the
         regional compile (every graph once, a block's for all its instances) is the one
         candidate; the whole model's compile, the same graphs unrolled and growing with
-        depth, is not offered beside it."""
+        depth, is not offered beside it. (With a kept bf16 precision the one candidate is the
+        original model under autocast: :meth:`_regional_not_offered`.)"""
         r = self.run
         return isinstance(r.cap, RegionalCapture) and r.job.generation is None and self._autocast() is None
+
+    def _forms(self, ex: Executor) -> tuple[bool, ...]:
+        """The candidates, each ``original`` or not (the model as it now runs, compiled): under
+        a regional capture one (:meth:`_regional_one_candidate`, else the original model under
+        autocast, :meth:`_regional_not_offered`); otherwise the rewritten model, and the
+        original one beside it where :meth:`_original_is_a_candidate`."""
+        r = self.run
+        if self._regional_one_candidate():
+            return (False,)
+        if isinstance(r.cap, RegionalCapture) and r.job.generation is None:
+            return (True,)  # a kept bf16 precision: the original model under autocast
+        return (False, True) if self._original_is_a_candidate(ex) else (False,)
+
+    def _regional_not_offered(self, ex: Executor) -> Decision | None:
+        """The row for the regional compile of the bf16 graphs where the original model under
+        autocast, compiled whole, is the one candidate (a regional capture with a kept bf16
+        precision). Side by side, training, AMX Xeon (`benchmarks/steps_bf16.json`, over the
+        rewritten eager step): the bf16 graphs compiled regionally 1.22x / 1.06x / 0.98x on
+        LLaMA / GPT-2 / BERT, the original model under autocast 1.59x / 1.30x / 1.43x; without
+        AMX, LLaMA's block graph compiled in bf16 (its casts written in, or under autocast)
+        failed verification: non-finite embedding gradients."""
+        r = self.run
+        if self._regional_one_candidate() or not isinstance(r.cap, RegionalCapture) or r.job.generation is not None:
+            return None
+        return Decision(NAME, False, "not tried",
+                        f"{ex.name} (regional, the bf16 graphs): the original model under autocast "
+                        f"({self._label(ex, True)}) is the candidate beside a kept bf16 precision, "
+                        "one compile; the bf16 graphs compiled regionally lost to it on every model "
+                        "measured (AMX Xeon, training: 1.22x / 1.06x / 0.98x against 1.59x / 1.30x / "
+                        "1.43x over the rewritten eager step)", scope="step")
 
     def _whole_not_offered(self, ex: Executor) -> Decision | None:
         """The row for the whole original model's compile where it would have been weighed
@@ -216,18 +249,13 @@ class CompileGate:
         return not r.kept and isinstance(r.cap, RegionalCapture) and r.job.generation is None
 
     def _original_is_a_candidate(self, ex: Executor) -> bool:
-        """Rewrites are kept (else the original model is what is compiled anyway), a kept
-        precision can be run as autocast, the model is called once a step (a generation's
-        decode calls compile through CompiledForward), and, under a regional capture, the
-        whole model's compile can be weighed against the run (``compile="auto"`` or ``steps``)
-        and is offered at all (beside a kept bf16 precision only, :meth:`_regional_one_candidate`)."""
+        """Beside the rewritten model compiled, not under a regional capture (:meth:`_forms`):
+        rewrites are kept (else the original model is what is compiled anyway), a kept
+        precision can be run as autocast, and the model is called once a step (a generation's
+        decode calls compile through CompiledForward)."""
         r = self.run
-        if isinstance(r.cap, RegionalCapture) and r.settings.compile != "auto" and r.settings.steps is None:
-            # asked to compile, the run's length unknown: the regional compile costs the same at
-            # any depth; the whole model's compile, which grows with it, is not paid unweighed
+        if isinstance(r.cap, RegionalCapture):
             return False
-        if self._regional_one_candidate():
-            return False  # see _whole_not_offered
         # a precision pass is a rewrite the compiler cannot make: the original model compiled
         # runs it as autocast (bf16; fp16's loss scaling lives in the rewritten model only)
         return bool(r.kept) and r.job.generation is None and \
