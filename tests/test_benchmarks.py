@@ -340,3 +340,38 @@ def test_cold_one_time_costs_are_rows_and_a_failed_process_is_a_row_with_its_err
     text = cold_one_time.markdown(rows, "python -m benchmarks.cold_one_time", {"cpu": "X", "isa": {}})
     assert "| bert | compile | failed |" in text and "RuntimeError: no g++" in text
     assert "| bert | optimize_steps20k | 12.5 | 12.0 | 0.5 | kept: fuse_optimizer, compile |" in text
+
+
+def test_compile_families_rows_come_from_fresh_processes_and_give_the_compile_verdict(monkeypatch):
+    """Each family is optimized in a process of its own (an empty Inductor cache in its
+    environment); its row gives the tried compile's verdict, a process that fails is a row with
+    its error, and a family the module does not size is refused."""
+    import subprocess
+    import types
+
+    from benchmarks import compile_families
+
+    seen = []
+    kept = {"family": "Qwen2", "capture": "regional", "kept": ["fuse_optimizer", "compile"],
+            "compile": [{"status": "kept", "speedup": 1.153, "reason": "inductor, whole step: faster"},
+                        {"status": "not tried", "speedup": None, "reason": "the regional compile is the candidate"}],
+            "optimize_s": 30.4, "compile_s": 19.6, "failed": []}
+
+    def fake_run(cmd, env, capture_output, text):
+        seen.append((cmd, env))
+        if cmd[-1] == "OPTConfig":
+            return types.SimpleNamespace(returncode=1, stdout="", stderr="Traceback\nRuntimeError: no g++")
+        return types.SimpleNamespace(returncode=0, stderr="", stdout=json.dumps(kept))
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    rows = [compile_families.cold(n) for n in ("Qwen2Config", "OPTConfig")]
+    assert [c[0][-2:] for c in seen] == [["--one", "Qwen2Config"], ["--one", "OPTConfig"]]
+    assert seen[0][1]["TORCHINDUCTOR_CACHE_DIR"] != seen[1][1]["TORCHINDUCTOR_CACHE_DIR"]  # none shared
+    text = compile_families.markdown(rows, "python -m benchmarks.compile_families", {"cpu": "X", "isa": {}})
+    assert "| Qwen2 | regional | kept 1.153x | fuse_optimizer, compile | 30.4 | 19.6 | - |" in text
+    assert "| OPT | failed |" in text and "RuntimeError: no g++" in text
+    assert compile_families._compile_cell(
+        [{"status": "not tried", "speedup": None, "reason": "would not repay within the run"}]
+    ) == "not tried: would not repay within the run"
+    with pytest.raises(SystemExit):
+        compile_families.main(["--only", "NoSuchConfig"])
