@@ -199,6 +199,7 @@ def _faulting(n, device="cpu"):
 def test_page_faults_in_every_step_are_a_finding_on_cpu_only():
     f = _rules(_faulting(20_000))["page_faults"]
     assert "20000 page faults in every step" in f.detail and "MALLOC_TRIM_THRESHOLD_" in f.detail
+    assert "MALLOC_MMAP_MAX_=0" in f.detail  # no mmap at any size: a threshold is capped at 32 MiB
     assert f.passes == ()  # the process's allocator settings, not a rewrite
     assert "Pass: none: the process's allocator settings" in findings_to_markdown([f])
     assert "page_faults" not in _rules(_faulting(4_999))  # under the setting's 5000
