@@ -56,13 +56,11 @@ def cold(model: str, config: str, quick: bool) -> dict:
 
 
 def markdown(rows: list[dict], command: str, machine: dict) -> str:
-    from benchmarks.measure import isa_text
+    from benchmarks.measure import machine_line
 
     lines = ["# One-time costs, each configuration cold in a process of its own", "",
              f"Command: `{command}`", "",
-             f"Machine: {machine.get('cpu', '?')} ({isa_text(machine)}), {machine.get('cpu_count', '?')} "
-             f"cores, torch {machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}, "
-             f"{machine.get('date', '')}", "",
+             machine_line(machine), "",
              "One-time s: optimize()'s wall time (compile included) plus the first step; for "
              "torch.compile, its first step (the compile). Each in a fresh process with an empty "
              "Inductor cache and knowledge base; one after another.", "",
@@ -100,10 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m benchmarks.cold_one_time " + " ".join(list(sys.argv[1:] if argv is None else argv))
     machine = machine_info()
     text = markdown(rows, command.strip(), machine)
-    if args.out:
-        write_result(args.out, "cold_one_time", {"command": command, "machine": machine, "rows": rows}, text)
-    else:
-        print(text)
+    write_result(args.out, "cold_one_time", {"command": command, "machine": machine, "rows": rows}, text)
     return 1 if any("error" in r for r in rows) else 0
 
 

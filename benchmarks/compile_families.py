@@ -96,13 +96,11 @@ def _compile_cell(rows: list[dict]) -> str:
 
 
 def markdown(rows: list[dict], command: str, machine: dict) -> str:
-    from benchmarks.measure import isa_text
+    from benchmarks.measure import machine_line
 
     lines = ["# The compile decision on families the speed benchmarks do not name", "",
              f"Command: `{command}`", "",
-             f"Machine: {machine.get('cpu', '?')} ({isa_text(machine)}), {machine.get('cpu_count', '?')} "
-             f"cores, torch {machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}, "
-             f"{machine.get('date', '')}", "",
+             machine_line(machine), "",
              f"Training, AdamW, `optimize(steps={STEPS})`, each family in a fresh process with an empty "
              f"Inductor cache and no knowledge base; 4 layers, hidden 256, vocabulary 8000, batch "
              f"{BATCH} x {TOKENS}. Compile: over the rewritten eager step, side by side in that process.", "",
@@ -141,10 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m benchmarks.compile_families" + (f" --only {args.only}" if args.only else "")
     machine = machine_info()
     text = markdown(rows, command, machine)
-    if args.out:
-        write_result(args.out, "compile_families", {"command": command, "machine": machine, "rows": rows}, text)
-    else:
-        print(text)
+    write_result(args.out, "compile_families", {"command": command, "machine": machine, "rows": rows}, text)
     return 1 if any("error" in r for r in rows) else 0
 
 

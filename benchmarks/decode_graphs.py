@@ -92,10 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {"command": command, "machine": machine_info(),
               "rows": [family_row(n) for n in names]}
     text = markdown(result)
-    if args.out:
-        write_result(args.out, "decode_graphs", result, text)
-    else:
-        print(text)
+    write_result(args.out, "decode_graphs", result, text)
     return 0
 
 

@@ -182,11 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"an untouched copy (same seeds). Generation: {NEW_TOKENS} greedy tokens after a 1x12 prompt.")
     result = {"command": command, "machine": machine_info(), "what": what, "rows": rows}
     text = markdown(result)
-    if args.out:
-        stem = "families" + ("_bf16" if dtype else "") + ("_checkpointing" if args.checkpointing else "")
-        write_result(args.out, stem, result, text)
-    else:
-        print(text)
+    stem = "families" + ("_bf16" if dtype else "") + ("_checkpointing" if args.checkpointing else "")
+    write_result(args.out, stem, result, text)
     return 1 if any(r["error"] for r in rows) else 0
 
 

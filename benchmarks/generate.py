@@ -247,12 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         (" --quick" if args.quick else "") + (f" --device {args.device}" if args.device != "cpu" else "") + \
         (f" --model {args.model}" if args.model != "qwen2" else "")
     text = markdown(result, command)
-    if args.out:
-        stem = "generate" + ("_bf16" if args.dtype == "bf16" else "") + \
-            (f"_{args.device}" if args.device != "cpu" else "") + (f"_{args.model}" if args.model != "qwen2" else "")
-        write_result(args.out, stem, result, text)
-    else:
-        print(text)
+    stem = "generate" + ("_bf16" if args.dtype == "bf16" else "") + \
+        (f"_{args.device}" if args.device != "cpu" else "") + (f"_{args.model}" if args.model != "qwen2" else "")
+    write_result(args.out, stem, result, text)
     return 0
 
 

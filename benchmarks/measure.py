@@ -107,6 +107,13 @@ def _isa(flags: frozenset[str]) -> dict:
     return {}
 
 
+def machine_line(machine: dict) -> str:
+    """One line for a table's header: CPU, its ISA figures, cores, versions, date."""
+    return (f"Machine: {machine.get('cpu', '?')} ({isa_text(machine)}), {machine.get('cpu_count', '?')} "
+            f"cores, torch {machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}, "
+            f"{machine.get('date', '')}")
+
+
 def machine_info() -> dict:
     """CPU model and flags, cores, threads, library versions, date, load: the table's header."""
     cpu, flags = cpu_info()
@@ -143,11 +150,14 @@ def command_line(result: dict) -> str:
             f"cores, torch {m.get('torch', '?')}, {m.get('date', '?')}")
 
 
-def write_result(out_dir: str, stem: str, result: dict, markdown: str) -> None:
+def write_result(out_dir: str | None, stem: str, result: dict, markdown: str) -> None:
     """``<stem>.json`` (every number) and ``<STEM>.md`` (the tables) into ``out_dir``; prints
-    the tables."""
+    the tables (only that, when ``out_dir`` is None)."""
     import json
     import os
+    if out_dir is None:
+        print(markdown)
+        return
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
         json.dump(result, f, indent=1)
