@@ -482,18 +482,19 @@ def test_a_regional_model_runs_the_original_compiled_with_its_blocks_lifted_for_
         torch.testing.assert_close(fast(x).float(), want, **bf16)
 
 
-def test_a_regional_bf16_model_has_one_compile_candidate_the_original_model_under_autocast():
-    """Beside a kept bf16 precision under a regional capture one compile is paid: the original
-    model under autocast, compiled whole (the form that won on every model measured); the
-    regional compile of the bf16 graphs is a row that says why it is not tried, and no graph of
-    the capture is handed to the compiler."""
+def test_a_regional_bf16_training_step_has_one_compile_candidate_the_original_model_under_autocast(monkeypatch):
+    """Training beside a kept bf16 precision under a regional capture, one compile is paid: the
+    original model under autocast, compiled whole (the form that won on every model measured);
+    the regional compile of the bf16 graphs is a row that says why it is not tried. In
+    inference (the bf16 graphs hold their weights cast once) both are offered."""
     from tests.test_regional import Stack
 
     torch.manual_seed(0)
-    model, x = Stack(n=3).eval(), torch.randn(8, 16)
-    fast = _opt(model, (x,), ControlledClock({"cast_to_half": 0.8, "compile": 0.7, "original": 0.5}),
-                FakeCompiler(), passes=["cast_to_half"], dtype=torch.bfloat16, device=Bf16Cpu(),
-                regional=True)
+    model, x = Stack(n=3).train(), torch.randn(8, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock = ControlledClock({"cast_to_half": 0.8, "compile": 0.7, "original": 0.5})
+    fast, _ = _opt(model, (x,), clock, FakeCompiler(), optimizer=opt, loss_fn=lambda out: out.float().pow(2).mean(),
+                   passes=["cast_to_half"], dtype=torch.bfloat16, device=Bf16Cpu(), regional=True)
     rows = [d for d in fast.report.decisions if d.pass_name == "compile"]
     tried = [d for d in rows if d.status != "not tried"]
     assert len(tried) == 1 and tried[0].kept and "(original model, autocast bfloat16)" in tried[0].sites[0]
@@ -502,6 +503,14 @@ def test_a_regional_bf16_model_has_one_compile_candidate_the_original_model_unde
     assert fast.report.plan["compile"].get("form") == "original"
     assert [d.status for d in fast.report.decisions if d.pass_name == "cast_to_half"] == ["superseded"]
     fast.restore()
+
+    monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a: 1e-3)  # repays
+    inference = _opt(Stack(n=3).eval(), (x,), ControlledClock({"cast_to_half": 0.8, "compile": 0.7, "original": 0.5}),
+                     FakeCompiler(), passes=["cast_to_half"], dtype=torch.bfloat16, device=Bf16Cpu(),
+                     regional=True, steps=100_000)
+    assert _compile_row(inference).status == "rejected" and _compile_row(inference, original=True).kept
+    assert not any("(regional, the bf16 graphs)" in d.reason for d in inference.report.decisions)
+    inference.restore()
 
 
 def test_a_kept_regional_compile_runs_its_own_executors_graphs_after_another_was_tried():

@@ -9,9 +9,10 @@ Under a regional capture there is one candidate, so one compile is paid: every g
 once (a block's for all its instances, so the cost stays flat with depth), built with only the
 kept rewrites the compiler cannot make itself (those in :data:`COMPILER_DOES_ITSELF` set aside,
 superseded when it is kept), the whole model's compile, the same graphs unrolled, not offered
-(a row says so); beside a kept bf16 precision, the other way round: the original model under
-autocast compiled whole, the form that won on every model measured, and the regional compile
-of the bf16 graphs not offered (:meth:`CompileGate._regional_not_offered`).
+(a row says so); beside a kept bf16 precision in training, the other way round: the original
+model under autocast compiled whole, the form that won on every model measured, and the
+regional compile of the bf16 graphs not offered (:meth:`CompileGate._regional_not_offered`; in
+inference both are offered, the bf16 graphs holding their weights cast once).
 The compiled form is verified like any rewrite (outputs and gradients against
 the original's, per-dtype bounds, the float64 yardstick beyond them) and timed against the
 rewritten eager step (training: forward + backward + optimizer step; inference: forward), with
@@ -173,33 +174,39 @@ class CompileGate:
         """A regional capture, not a generation, no kept precision to run as autocast: the
         regional compile (every graph once, a block's for all its instances) is the one
         candidate; the whole model's compile, the same graphs unrolled and growing with
-        depth, is not offered beside it. (With a kept bf16 precision the one candidate is the
-        original model under autocast: :meth:`_regional_not_offered`.)"""
+        depth, is not offered beside it. (With a kept bf16 precision, see :meth:`_forms`.)"""
         r = self.run
         return isinstance(r.cap, RegionalCapture) and r.job.generation is None and self._autocast() is None
 
     def _forms(self, ex: Executor) -> tuple[bool, ...]:
         """The candidates, each ``original`` or not (the model as it now runs, compiled): under
-        a regional capture one (:meth:`_regional_one_candidate`, else the original model under
-        autocast, :meth:`_regional_not_offered`); otherwise the rewritten model, and the
-        original one beside it where :meth:`_original_is_a_candidate`."""
+        a regional capture one (:meth:`_regional_one_candidate`; beside a kept bf16 precision,
+        in training, the original model under autocast, :meth:`_regional_not_offered`, in
+        inference both); otherwise the rewritten model, and the original one beside it where
+        :meth:`_original_is_a_candidate`."""
         r = self.run
         if self._regional_one_candidate():
             return (False,)
-        if isinstance(r.cap, RegionalCapture) and r.job.generation is None:
-            return (True,)  # a kept bf16 precision: the original model under autocast
+        if isinstance(r.cap, RegionalCapture) and r.job.generation is None:  # a kept bf16 precision
+            if r.job.training:
+                return (True,)  # the original model under autocast
+            # inference: the bf16 graphs hold their weights cast once (weight_casts), which the
+            # original under autocast casts at every call; unmeasured against each other, both
+            # stay, the whole model's compile (growing with depth) only when weighed
+            weighed = r.settings.compile == "auto" or r.settings.steps is not None
+            return (False, True) if weighed else (False,)
         return (False, True) if self._original_is_a_candidate(ex) else (False,)
 
     def _regional_not_offered(self, ex: Executor) -> Decision | None:
         """The row for the regional compile of the bf16 graphs where the original model under
-        autocast, compiled whole, is the one candidate (a regional capture with a kept bf16
-        precision). Side by side, training, AMX Xeon (`benchmarks/steps_bf16.json`, over the
-        rewritten eager step): the bf16 graphs compiled regionally 1.22x / 1.06x / 0.98x on
-        LLaMA / GPT-2 / BERT, the original model under autocast 1.59x / 1.30x / 1.43x; without
-        AMX, LLaMA's block graph compiled in bf16 (its casts written in, or under autocast)
-        failed verification: non-finite embedding gradients."""
-        r = self.run
-        if self._regional_one_candidate() or not isinstance(r.cap, RegionalCapture) or r.job.generation is not None:
+        autocast, compiled whole, is the one candidate (training under a regional capture with
+        a kept bf16 precision). Side by side, training, AMX Xeon (`benchmarks/steps_bf16.json`,
+        over the rewritten eager step): the bf16 graphs compiled regionally 1.22x / 1.06x /
+        0.98x on LLaMA / GPT-2 / BERT, the original model under autocast 1.59x / 1.30x / 1.43x;
+        without AMX, LLaMA's block graph compiled in bf16 (its casts written in, or under
+        autocast) failed verification: non-finite gradients from Inductor's vectorized C++
+        code (scalar code, ``cpp.simdlen = 1``, gives finite ones)."""
+        if self._forms(ex) != (True,):
             return None
         return Decision(NAME, False, "not tried",
                         f"{ex.name} (regional, the bf16 graphs): the original model under autocast "
