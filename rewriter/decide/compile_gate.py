@@ -182,8 +182,11 @@ class CompileGate:
         """The candidates, each ``original`` or not (the model as it now runs, compiled): under
         a regional capture one (:meth:`_regional_one_candidate`; beside a kept bf16 precision,
         in training, the original model under autocast, :meth:`_regional_not_offered`, in
-        inference both); otherwise the rewritten model, and the original one beside it where
-        :meth:`_original_is_a_candidate`."""
+        inference both); otherwise the rewritten model, and the original one beside it when
+        rewrites are kept (else the original is what is compiled anyway), a kept precision can
+        run as autocast (bf16: a precision pass is a rewrite the compiler cannot make; fp16's
+        loss scaling lives in the rewritten model only) and the model is called once a step (a
+        generation's decode calls compile through CompiledForward)."""
         r = self.run
         if self._regional_one_candidate():
             return (False,)
@@ -195,7 +198,9 @@ class CompileGate:
             # stay, the whole model's compile (growing with depth) only when weighed
             weighed = r.settings.compile == "auto" or r.settings.steps is not None
             return (False, True) if weighed else (False,)
-        return (False, True) if self._original_is_a_candidate(ex) else (False,)
+        beside = bool(r.kept) and r.job.generation is None and \
+            (self._autocast() is not None or not any(kp.pass_.sets_precision for kp in r.kept))
+        return (False, True) if beside else (False,)
 
     def _regional_not_offered(self, ex: Executor) -> Decision | None:
         """The row for the regional compile of the bf16 graphs where the original model under
@@ -254,19 +259,6 @@ class CompileGate:
         instances and each graph around them once, so the compile does not grow with depth."""
         r = self.run
         return not r.kept and isinstance(r.cap, RegionalCapture) and r.job.generation is None
-
-    def _original_is_a_candidate(self, ex: Executor) -> bool:
-        """Beside the rewritten model compiled, not under a regional capture (:meth:`_forms`):
-        rewrites are kept (else the original model is what is compiled anyway), a kept
-        precision can be run as autocast, and the model is called once a step (a generation's
-        decode calls compile through CompiledForward)."""
-        r = self.run
-        if isinstance(r.cap, RegionalCapture):
-            return False
-        # a precision pass is a rewrite the compiler cannot make: the original model compiled
-        # runs it as autocast (bf16; fp16's loss scaling lives in the rewritten model only)
-        return bool(r.kept) and r.job.generation is None and \
-            (self._autocast() is not None or not any(kp.pass_.sets_precision for kp in r.kept))
 
     def _autocast(self) -> tuple[str, Any] | None:
         """The precision the kept rewrites set, for the original model compiled: (device type,
