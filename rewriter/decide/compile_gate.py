@@ -29,7 +29,8 @@ base's figure for the same graphs, else a fit on their node count) and not paid 
 even saving half of every step would not repay it within the first tenth of the run
 (``optimize(steps=...)``, default 1000 for "auto"); a compiled form that measures faster is
 kept only when its measured saving repays its measured compile seconds within the run (with
-``steps`` given, or "auto"; the cost is paid by then, so the whole run, not its tenth). The row gives the cost, the saving and the break-even step.
+``steps`` given, or "auto"; the cost is paid by then, so the whole run, not its tenth). The row
+gives the cost, the saving and the break-even step.
 Inductor's persistent caches live beside the knowledge base (rewriter.devices.compile_cache).
 A compile that raises is reported with its reason and the eager graphs run. The decision goes into the knowledge base
 (keyed by executor, device, versions, mode, dtype, the rewritten graphs and the inputs) and the
@@ -116,11 +117,8 @@ class CompileGate:
         steps = self.steps()
         tried, not_offered = [], []
         for ex in found:
-            # the rewritten model compiled (under a regional capture, regionally, without the
-            # kept rewrites the compiler makes itself); with rewrites kept and no regional
-            # capture (or a kept bf16 precision), also the original model compiled whole (with
-            # the fused optimizer): the compiler is never handed a worse input than the model's
-            # own code, and the faster of the two runs
+            # the candidates (:meth:`_forms`): the compiler is never handed a worse input than
+            # the model's own code, and the fastest one verified runs
             forms = self._forms(ex)
             for original in forms:
                 key = self._key(ex, original)
@@ -178,6 +176,12 @@ class CompileGate:
         r = self.run
         return isinstance(r.cap, RegionalCapture) and r.job.generation is None and self._autocast() is None
 
+    def _weighed(self) -> bool:
+        """Whether a compile's cost can be weighed against the run: ``compile="auto"`` or
+        ``steps`` given."""
+        r = self.run
+        return r.settings.compile == "auto" or r.settings.steps is not None
+
     def _forms(self, ex: Executor) -> tuple[bool, ...]:
         """The candidates, each ``original`` or not (the model as it now runs, compiled): under
         a regional capture one (:meth:`_regional_one_candidate`; beside a kept bf16 precision,
@@ -196,8 +200,7 @@ class CompileGate:
             # inference: the bf16 graphs hold their weights cast once (weight_casts), which the
             # original under autocast casts at every call; unmeasured against each other, both
             # stay, the whole model's compile (growing with depth) only when weighed
-            weighed = r.settings.compile == "auto" or r.settings.steps is not None
-            return (False, True) if weighed else (False,)
+            return (False, True) if self._weighed() else (False,)
         beside = bool(r.kept) and r.job.generation is None and \
             (self._autocast() is not None or not any(kp.pass_.sets_precision for kp in r.kept))
         return (False, True) if beside else (False,)
@@ -230,8 +233,7 @@ class CompileGate:
         16 tokens), and costs a second compile, ~15 s cold at 4 layers; LLaMA, benchmarks.run:
         regional 1.17x, whole 1.15x over the rewritten eager step."""
         r = self.run
-        weighed = r.settings.compile == "auto" or r.settings.steps is not None
-        if not (weighed and self._regional_one_candidate()):
+        if not (self._weighed() and self._regional_one_candidate()):
             return None
         cost = predict_compile_seconds(self._nodes(original=True), r.job.training)
         return Decision(NAME, False, "not tried",
