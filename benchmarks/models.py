@@ -85,9 +85,29 @@ def _llama_config(s: TransformerSize, attn: str) -> Any:
                                     attention_dropout=0.0, attn_implementation=attn)
 
 
+def _qwen2_config(s: TransformerSize, attn: str) -> Any:
+    import transformers
+    # LLaMA's layout with biased q/k/v projections and grouped-query attention.
+    return transformers.Qwen2Config(num_hidden_layers=s.layers, hidden_size=s.hidden,
+                                    intermediate_size=(8 * s.hidden // 3 + 63) // 64 * 64,
+                                    num_attention_heads=s.heads, num_key_value_heads=max(1, s.heads // 2),
+                                    vocab_size=s.vocab, max_position_embeddings=s.seq,
+                                    attention_dropout=0.0, attn_implementation=attn)
+
+
+def _distilbert_config(s: TransformerSize, attn: str) -> Any:
+    import transformers
+    return transformers.DistilBertConfig(n_layers=s.layers, dim=s.hidden, n_heads=s.heads,
+                                         hidden_dim=4 * s.hidden, vocab_size=s.vocab,
+                                         max_position_embeddings=s.seq, dropout=0.0,
+                                         attention_dropout=0.0, attn_implementation=attn)
+
+
 _TRANSFORMERS = {"gpt2": ("GPT2LMHeadModel", _gpt2_config),
                  "bert": ("BertForMaskedLM", _bert_config),
-                 "llama": ("LlamaForCausalLM", _llama_config)}
+                 "llama": ("LlamaForCausalLM", _llama_config),
+                 "qwen2": ("Qwen2ForCausalLM", _qwen2_config),
+                 "distilbert": ("DistilBertForMaskedLM", _distilbert_config)}
 
 
 def _transformer_case(name: str, size: str, training: bool) -> ModelCase:
@@ -251,14 +271,22 @@ BUILDERS: dict[str, Callable[[str, bool], ModelCase]] = {
     "transposed_linear": _transposed_linear_case,
 }
 MODEL_NAMES = tuple(BUILDERS)
+# Two more families, the two the compile issue's figures name; run on request (--models qwen2
+# distilbert), not by default, so the default run's length and RESULTS.md stay comparable.
+EXTRA_BUILDERS: dict[str, Callable[[str, bool], ModelCase]] = {
+    "qwen2": lambda size, training: _transformer_case("qwen2", size, training),
+    "distilbert": lambda size, training: _transformer_case("distilbert", size, training),
+}
+ALL_MODEL_NAMES = MODEL_NAMES + tuple(EXTRA_BUILDERS)
 
 
 def build_case(name: str, *, quick: bool, training: bool, seed: int = 0) -> ModelCase:
     """The model ``name`` with seeded random weights, its inputs, loss and expert form."""
-    if name not in BUILDERS:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
+    builders = {**BUILDERS, **EXTRA_BUILDERS}
+    if name not in builders:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(ALL_MODEL_NAMES)}")
     torch.manual_seed(seed)
-    case = BUILDERS[name]("quick" if quick else "default", training)
+    case = builders[name]("quick" if quick else "default", training)
     params = sum(p.numel() for p in case.model.parameters())
     case.description += f"; {params / 1e6:.2f} M parameters"
     return case

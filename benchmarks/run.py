@@ -47,7 +47,7 @@ from benchmarks.measure import (
     side_by_side,
     spread_ms,
 )
-from benchmarks.models import MODEL_NAMES, build_case
+from benchmarks.models import ALL_MODEL_NAMES, MODEL_NAMES, build_case
 from benchmarks.results import Results, Row, write_outputs
 from rewriter.decide.gate import GateSettings
 
@@ -57,7 +57,8 @@ MODES = {"train": ("train",), "infer": ("infer",), "both": ("train", "infer")}
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODEL_NAMES),
-                   help=f"models to run, space- or comma-separated (default: all: {', '.join(MODEL_NAMES)})")
+                   help=f"models to run, space- or comma-separated (default: {', '.join(MODEL_NAMES)}; "
+                        f"also: {', '.join(n for n in ALL_MODEL_NAMES if n not in MODEL_NAMES)})")
     p.add_argument("--configs", nargs="+", default=list(CONFIG_NAMES),
                    help=f"configurations (default: all: {', '.join(CONFIG_NAMES)}); eager always runs "
                         "as the baseline, its own row only when listed")
@@ -71,7 +72,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="store_true",
                    help="optimize()'s progress lines, and tracebacks of failing configurations")
     args = p.parse_args(argv)
-    args.models = _split(args.models, MODEL_NAMES, "model", p)
+    args.models = _split(args.models, ALL_MODEL_NAMES, "model", p)
     args.configs = _split(args.configs, CONFIG_NAMES, "configuration", p)
     if args.passes is not None:
         args.passes = _split(args.passes, tuple(rewriter.registered_passes()), "pass", p)

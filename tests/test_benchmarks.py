@@ -7,6 +7,7 @@ of seconds per model on a 2-core CPU. They run in the real benchmark, ``python -
 import json
 
 import pytest
+import torch
 
 from benchmarks import run
 from benchmarks.configs import Config, Setup
@@ -110,6 +111,20 @@ def test_failing_configuration_is_a_row_not_a_crash():
 def test_unknown_names_are_refused(tmp_path):
     with pytest.raises(SystemExit):
         run.parse_args(["--models", "gpt3", "--out", str(tmp_path)])
+
+
+def test_the_two_extra_families_run_on_request_only(tmp_path):
+    assert run.parse_args(["--out", str(tmp_path)]).models == ["gpt2", "bert", "llama", "convnet",
+                                                              "onehot_mlp", "transposed_linear"]
+    assert run.parse_args(["--models", "qwen2,distilbert", "--out", str(tmp_path)]).models == [
+        "qwen2", "distilbert"]
+    for name, cls in (("qwen2", "Qwen2ForCausalLM"), ("distilbert", "DistilBertForMaskedLM")):
+        case = build_case(name, quick=True, training=True)
+        expert, inputs = case.make_expert(case.model)
+        assert type(case.model).__name__ == cls and case.model.config._attn_implementation == "eager"
+        assert expert.config._attn_implementation == "sdpa"
+        out, ref = case.model(**inputs), expert(**inputs)  # same weights: the same loss
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
 
 
 def test_a_model_that_cannot_be_built_is_rows_with_its_error(tmp_path, monkeypatch):
