@@ -46,6 +46,7 @@ from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.generation import forward_in_place, is_decode_call
 from rewriter.decide.job import switched
 from rewriter.decide.verify import dropout_disabled
+from rewriter.devices.dynamo_inputs import as_dynamo_hands_it
 from rewriter.devices.npu_capabilities import torch_npu_release
 
 CompilerBackend = Callable[..., Any]  # torch.compile's backend protocol: (gm, example_inputs) -> callable
@@ -377,14 +378,16 @@ class RegionalCompiled:
     steps=20000)): blocks only 0.980x over the rewritten eager step, rejected; every graph
     1.054x, kept, first compiled step 12.4 -> 14.3 s (the MLM head's softmax over 8000 words
     and its backward fused). While it runs, the graphs run compiled; once it is kept, they do
-    so at every call.
+    so at every call. The graphs go to the backend as Dynamo would hand them over (fake inputs
+    of a fake mode with a ShapeEnv), so Inductor's and AOTAutograd's caches keep them for a
+    later process (:mod:`rewriter.devices.dynamo_inputs`).
     """
 
     def __init__(self, cap: RegionalCapture, backend: CompilerBackend,
                  source: Callable[[GraphSlot], Any] | None = None, set_aside: Sequence[str] = ()) -> None:
-        self.cap, self.backend, self.source = cap, backend, source
+        self.cap, self.backend, self.source = cap, as_dynamo_hands_it(backend), source
         self.set_aside = tuple(set_aside)  # kept rewrites the compiled graphs are built without
-        cap.compile_graphs(backend, source)
+        cap.compile_graphs(self.backend, source)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with switched(self.cap.switch, use_compiled=True):
