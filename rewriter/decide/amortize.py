@@ -35,7 +35,9 @@ BUDGET_FRACTION = 0.25  # of the run's length, at most, for optimize() to decide
 MIN_BUDGET = 8.0  # seconds: capture and the first measurements of a small transformer
 # A warm persistent Inductor cache (rewriter.devices.compile_cache): `python -m
 # benchmarks.compile_cache` gave 5.1 s against 24.1 s cold (llama, training, 2-core AMD EPYC,
-# torch 2.13), 0.21; assumed 0.25.
+# torch 2.13), 0.21; the regional compile, once its graphs were cacheable (rewriter.devices.
+# dynamo_inputs), 2.5 s against 20.0 s (2-core Xeon), 0.13. Assumed 0.25: the larger, so a
+# prediction errs towards not paying.
 WARM_FACTOR = 0.25
 
 # Inductor's first compile of one graph, in a fresh process with a cold cache: seconds =
