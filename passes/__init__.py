@@ -20,6 +20,7 @@ PASS_MODULES = (
     "fuse_swiglu",
     "fuse_rotary_embedding",
     "fuse_linear_cross_entropy",
+    "fuse_cross_entropy",
     "fuse_one_hot",
     "fuse_linear",
     "fuse_confusion_transpose",

@@ -272,10 +272,10 @@ def match(ce: Node) -> LceMatch | str | None:
     chain.reverse()
     if arg(ce, 2, "weight") is not None:
         return "a class-weighted loss"
-    if arg(ce, 5, "reduce") is not None or arg(ce, 4, "size_average") is not None:
+    if arg(ce, 3, "size_average") is not None or arg(ce, 5, "reduce") is not None:
         return "the deprecated size_average/reduce arguments"
     reduction = arg(ce, 6, "reduction", "mean")
-    ignore = arg(ce, 3, "ignore_index", -100)
+    ignore = arg(ce, 4, "ignore_index", -100)
     smoothing = arg(ce, 7, "label_smoothing", 0.0)
     if reduction not in ("mean", "sum"):
         return f"reduction={reduction!r} (a loss per token needs the logits' rows)"

@@ -35,14 +35,17 @@ class ControlledClock:
     ``interference(call, step)`` multiplies a sample's time (a burst of load from another
     process); ``interrupt_after`` raises KeyboardInterrupt then.
     ``peaks`` (by pass) multiply ``base_bytes`` for :meth:`peak_bytes`, the step's peak memory
-    (the memory objective's measurement, injected instead of profiled).
+    (the memory objective's measurement, injected instead of profiled). ``faults(call, step)``:
+    the page faults a sample takes (this process's own), read through :meth:`page_faults`;
+    without it the clock counts none (None), as on a platform that does not.
     """
 
     def __init__(self, costs: dict[str, float] | None = None, base: float = 0.010,
                  jitter: float = 0.005, interrupt_after: int | None = None,
                  step_costs: dict[str, float] | None = None,
                  interference: Callable[[int, Step], float] | None = None,
-                 peaks: dict[str, float] | None = None, base_bytes: int = 100 * 2**20) -> None:
+                 peaks: dict[str, float] | None = None, base_bytes: int = 100 * 2**20,
+                 faults: Callable[[int, Step], int] | None = None) -> None:
         self.costs = costs or {}
         self.step_costs = step_costs or {}
         self.base, self.jitter = base, jitter
@@ -54,6 +57,10 @@ class ControlledClock:
         self.scopes: list[str] = []
         self.peaks, self.base_bytes = peaks or {}, base_bytes
         self.peaks_seen: list[tuple[str, ...]] = []
+        self.faults, self.fault_count = faults, 0
+
+    def page_faults(self) -> int | None:
+        return self.fault_count if self.faults is not None else None
 
     def peak_bytes(self, step: Step) -> int:
         """Runs the step and reports its peak memory: ``base_bytes * prod(peaks[p])``
@@ -73,6 +80,8 @@ class ControlledClock:
         factor = math.prod(costs.get(p, 1.0) for p in step.passes)
         if self.interference is not None:
             factor *= self.interference(self.calls, step)
+        if self.faults is not None:
+            self.fault_count += self.faults(self.calls, step)
         return self.base * factor * (1 + self.jitter * self.rng.uniform(-1, 1))
 
 

@@ -233,3 +233,20 @@ def test_on_a_device_whose_first_run_is_cold_the_step_is_timed_again_warm(monkey
                           profile=False, gate=QUICK, knowledge_base=False)
         seen[type(backend).__name__] = seen.pop("step")
     assert seen["CpuBackend"] >= 0.5 > seen["ColdFirstRun"]
+
+
+def test_a_slow_sample_is_flagged_unless_its_own_page_faults_account_for_it():
+    base = [0.010, 0.030, 0.010, 0.030, 0.010, 0.010, 0.010, 0.010]
+    cand = [0.008, 0.008, 0.008, 0.008, 0.008, 0.024, 0.008, 0.008]
+    quiet = Measurement(base, cand, outlier_factor=1.5)  # no counts: every slow sample flagged
+    assert quiet.flagged == [False, True, False, True, False, True, False, False]
+    counted = Measurement(base, cand, outlier_factor=1.5,
+                          baseline_faults=[30, 8000, 25, 7990, 30, 28, 30, 26],
+                          candidate_faults=[10, 12, 11, 10, 300, 12, 10, 11])
+    # the original's two slow samples mapped fresh memory: its cost, kept in; the candidate's
+    # slow sample took no more faults than usual (load from elsewhere), and 300 faults on a
+    # fast sample explain nothing
+    assert counted.flagged == [False, False, False, False, False, True, False, False]
+    assert counted.slow_with_own_faults == 2 and counted.pairs == 7
+    keep, reason = decide(counted, 1.05)
+    assert keep and "2 slow sample(s) kept in: their own page faults" in reason

@@ -185,6 +185,30 @@ def test_injected_interference_is_inconclusive_never_a_keep(blocks):
     assert d.measurement["remeasured"] and d.measurement["busy"]
 
 
+def test_a_slow_original_that_took_its_own_page_faults_is_its_cost_not_a_busy_machine(blocks):
+    # The same one-sided slowness as the burst above, but each slow sample of the original
+    # mapped fresh memory (8000 page faults: 32 MB), as glibc does for a freshly allocated
+    # tensor over its mmap threshold; another process's load does not fault our pages.
+    slow = set()
+    rng = random.Random(1)
+
+    def allocator(call, step):
+        if step.scope == "region" and not step.passes and rng.random() < 0.6:
+            slow.add(call)
+            return 3.0
+        return 1.0
+
+    def faults(call, step):
+        return 8000 if call in slow else 20
+
+    model, x = blocks
+    clock = ControlledClock({"a": 0.8}, interference=allocator, faults=faults)
+    fast = _opt(model, (x,), [RewriteRelu("a")], clock)
+    d = _decision(fast, "a")
+    assert d.kept and not d.measurement["busy"] and d.measurement["flagged"] == 0
+    assert d.measurement["slow_with_own_faults"] > 0 and "their own page faults" in d.reason
+
+
 def test_a_few_flagged_samples_are_left_out_and_the_decision_stands():
     m = Measurement([0.010, 0.010, 0.030, 0.010, 0.010, 0.010, 0.010, 0.010],
                     [0.005, 0.005, 0.005, 0.005, 0.005, 0.005, 0.005, 0.005], outlier_factor=1.5)

@@ -77,16 +77,16 @@ NAME = "compile"  # the decision row's pass_name
 # Graph rewrites Inductor makes itself on CPU and CUDA, and how: a regional capture's compile is
 # handed graphs built without these (with only the kept rewrites the compiler cannot make), so
 # the compiler is never given a worse input than the model's own code and one compile is paid,
-# not two. On NPU the same passes produce torch_npu's fused operators, which no compiler there
-# makes itself: not in this table. fuse_attention is not in it: Inductor's SDPA patterns match
-# some written-out forms only, and BERT's eager attention compiled lost to SDPA compiled (each
-# form in a fresh process beside SDPA + fused AdamW, eager, training, 2-core Xeon without AMX:
-# each layer 0.97x against 1.00x, the whole model 1.03x against 1.06x).
+# not two. NPU: torch_npu's fused operators, which no compiler there makes itself. Not
+# fuse_attention: Inductor's SDPA patterns match some written-out forms only, and BERT's eager
+# attention compiled lost to SDPA compiled (fresh processes beside SDPA + fused AdamW, eager,
+# training, 2-core Xeon without AMX: each layer 0.97x against 1.00x, whole 1.03x vs 1.06x).
 COMPILER_DOES_ITSELF: dict[str, str] = {
     "fuse_gelu": "pointwise fusion of the written-out tanh GELU",
     "fuse_layer_norm": "fusion of the mean/variance reductions and their pointwise ops",
     "fuse_rms_norm": "fusion of the mean-square reduction and its pointwise ops",
     "make_contiguous": "its own layout and copy decisions",
+    "fuse_cross_entropy": "fusion of the loss's log-softmax, its backward and their reductions",
 }
 FUSING_EXECUTORS = ("inductor",)  # the executors the table speaks for
 INDUCTOR_DEVICES = ("cpu", "cuda")

@@ -15,6 +15,10 @@ A busy machine: load from other processes only ever makes a sample slower, so a 
 above its own variant's lower decile (``outlier_factor`` times it) is flagged and left out
 of the statistics. When more than ``max_flagged`` of the pairs are flagged, the comparison is
 measured again once; flagged again, it is "inconclusive: the machine was busy", never a keep.
+Not flagged: a slow sample that took far more of this process's page faults than its variant
+usually does (:func:`faults_explain`). Another process's load does not fault our pages; a
+variant whose allocations sometimes land on fresh memory (glibc maps a tensor over its mmap
+threshold afresh, and trims its heap) is that slow when it runs, so those samples are its cost.
 
 The variants are whole steps (``scope="step"``) or one site's region (``scope="region"``,
 repeated ``reps`` times per sample so a sample is well above the timer's resolution).
@@ -61,6 +65,15 @@ class WallClock:
         step.run()
         self.synchronize()
         return time.perf_counter() - start
+
+    @staticmethod
+    def page_faults() -> int | None:
+        """This process's minor page faults so far (None where not counted): see the module."""
+        try:
+            import resource
+        except ImportError:  # not POSIX
+            return None
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 class EventClock:
@@ -133,18 +146,39 @@ class Measurement:
     busy: bool = False        # so had the second: no conclusion
     earlier: tuple[list[float], list[float]] | None = None  # an earlier try's samples
     out_of_time: bool = False  # stopped by the deadline before the fewest pairs
+    # each sample's page faults (this process's), where the clock counts them
+    baseline_faults: list[int] = field(default_factory=list)
+    candidate_faults: list[int] = field(default_factory=list)
 
-    @property
-    def flagged(self) -> list[bool]:
-        """Per pair: a sample of it far above its own variant's usual (lower-decile) time."""
-        if not self.baseline_times:
-            return []
+    def _slow(self) -> tuple[list[bool], list[bool]]:
+        """Per pair, per variant: a sample far above its variant's usual (lower-decile) time."""
         earlier_a, earlier_b = self.earlier or ([], [])
         lo_a = _lower_decile(self.baseline_times + earlier_a)
         lo_b = _lower_decile(self.candidate_times + earlier_b)
         f = self.outlier_factor
-        return [a > f * lo_a or b > f * lo_b
-                for a, b in zip(self.baseline_times, self.candidate_times)]
+        return [a > f * lo_a for a in self.baseline_times], [b > f * lo_b for b in self.candidate_times]
+
+    @property
+    def flagged(self) -> list[bool]:
+        """Per pair: a sample of it far above its own variant's usual time, not explained by
+        its own page faults."""
+        if not self.baseline_times:
+            return []
+        slow_a, slow_b = self._slow()
+        n = len(self.baseline_times)
+        own_a, own_b = faults_explain(self.baseline_faults, n), faults_explain(self.candidate_faults, n)
+        return [(sa and not oa) or (sb and not ob)
+                for sa, sb, oa, ob in zip(slow_a, slow_b, own_a, own_b)]
+
+    @property
+    def slow_with_own_faults(self) -> int:
+        """Slow samples kept in because their own page faults account for them."""
+        if not self.baseline_times:
+            return 0
+        slow_a, slow_b = self._slow()
+        n = len(self.baseline_times)
+        own_a, own_b = faults_explain(self.baseline_faults, n), faults_explain(self.candidate_faults, n)
+        return sum(s and o for s, o in zip(slow_a + slow_b, own_a + own_b))
 
     @property
     def flagged_fraction(self) -> float:
@@ -200,7 +234,8 @@ class Measurement:
     def to_dict(self) -> dict:
         return {"speedup": _finite(self.speedup), "noise": _finite(self.noise), "pairs": self.pairs,
                 "baseline_ms": _finite(self.baseline_ms), "candidate_ms": _finite(self.candidate_ms),
-                "flagged": sum(self.flagged), "reps": self.reps, "remeasured": self.remeasured,
+                "flagged": sum(self.flagged), "slow_with_own_faults": self.slow_with_own_faults,
+                "reps": self.reps, "remeasured": self.remeasured,
                 "busy": self.busy, "out_of_time": self.out_of_time}
 
 
@@ -210,6 +245,19 @@ def _lower_decile(times: list[float]) -> float:
     slows both variants alike) moves it with the samples."""
     ordered = sorted(times)
     return ordered[(len(ordered) - 1) // 10]
+
+
+FAULT_SLACK = 256  # page faults (1 MiB of 4 KiB pages) any sample may take beyond the usual
+
+
+def faults_explain(faults: list[int], samples: int) -> list[bool]:
+    """Per sample (all False without a count for each): far more page faults than the
+    variant's usual (lower-decile) count, twice it and ``FAULT_SLACK`` more: fresh memory
+    this sample mapped."""
+    if len(faults) != samples or not faults:
+        return [False] * samples
+    usual = sorted(faults)[(len(faults) - 1) // 10]
+    return [n > 2 * usual + FAULT_SLACK for n in faults]
 
 
 def _finite(x: float) -> float | None:
@@ -288,11 +336,15 @@ def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings
     for i in range(settings.max_pairs):
         first, second = (baseline, candidate) if i % 2 == 0 else (candidate, baseline)
         t0 = time.perf_counter()
-        t_first, t_second = clock.time(first), clock.time(second)
+        (t_first, f_first), (t_second, f_second) = _timed(clock, first), _timed(clock, second)
         longest = max(longest, time.perf_counter() - t0)
         a, b = (t_first, t_second) if first is baseline else (t_second, t_first)
         m.baseline_times.append(a)
         m.candidate_times.append(b)
+        if f_first is not None and f_second is not None:
+            fa, fb = (f_first, f_second) if first is baseline else (f_second, f_first)
+            m.baseline_faults.append(fa)
+            m.candidate_faults.append(fb)
         if early is not None and i + 1 < settings.min_pairs and not any(m.flagged) and early(m):
             break
         # A pair is not started that would end past the deadline (a 1 s step makes 2 s pairs).
@@ -307,10 +359,20 @@ def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings
     return m
 
 
+def _timed(clock: Clock, step: Step) -> tuple[float, int | None]:
+    """One sample: its time, and the page faults it took where the clock counts them."""
+    faults = getattr(clock, "page_faults", None)
+    before = faults() if faults is not None else None
+    t = clock.time(step)
+    after = faults() if before is not None else None
+    return t, (after - before if before is not None and after is not None else None)
+
+
 def figure(m: Measurement) -> str:
     """The measurement in words; the two times agree with the ratio by construction."""
-    flagged = sum(m.flagged)
+    flagged, own = sum(m.flagged), m.slow_with_own_faults
     extra = f", {flagged} flagged sample(s) left out" if flagged else ""
+    extra += f", {own} slow sample(s) kept in: their own page faults" if own else ""
     return _figure(m.speedup, m.noise, m.pairs, m.baseline_ms, m.candidate_ms, extra)
 
 

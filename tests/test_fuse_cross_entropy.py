@@ -1,0 +1,169 @@
+"""fuse_cross_entropy: the loss and its gradient against F.cross_entropy (ignored rows, both
+reductions, chunks, scaled and repeated backward), the declines, and the pass under optimize()
+on a BERT-like and a GPT-2-like model (controlled clock)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rewriter
+from passes import fuse_cross_entropy as fce
+from rewriter.capture.front_ends import capture
+from rewriter.capture.ir import copy_graph_module
+from rewriter.devices.backends import CpuBackend
+from rewriter.pass_api import PassContext
+from tests.controlled import QUICK, ControlledClock
+
+transformers = pytest.importorskip("transformers")
+
+PASS = fce.FuseCrossEntropy()
+# fp32; a log-softmax over up to 300 classes, the same kernel both ways: rounding of the
+# softmax / count form and of a sum over up to 40 rows
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _pair(rows=40, classes=300, ignored=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, classes, generator=g) * 4
+    t = torch.randint(0, classes, (rows,), generator=g)
+    t[:ignored] = -100
+    return x, t
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("ignored", [0, 7], ids=["all-rows", "ignored-rows"])
+@pytest.mark.parametrize("chunk_bytes", [None, 5 * 300 * 4], ids=["one-chunk", "chunks-of-5-rows"])
+def test_loss_and_gradient_match_cross_entropy(reduction, ignored, chunk_bytes, monkeypatch):
+    if chunk_bytes is not None:
+        monkeypatch.setattr(fce, "CHUNK_BYTES", chunk_bytes)
+    x, t = _pair(ignored=ignored)
+    assert fce.chunk_rows(x) == (5 if chunk_bytes else 40)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref, got = F.cross_entropy(a, t, reduction=reduction), fce.fused_cross_entropy(b, t, -100, reduction)
+    torch.testing.assert_close(got, ref, **TOL)
+    (ref * 1.5).backward()
+    (got * 1.5).backward()
+    torch.testing.assert_close(b.grad, a.grad, **TOL)
+
+
+def test_every_row_ignored_is_a_nan_mean_and_zero_gradients_as_in_torch():
+    x, t = _pair(rows=6, ignored=6)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref, got = F.cross_entropy(a, t), fce.fused_cross_entropy(b, t)
+    assert ref.isnan() and got.isnan()
+    ref.backward()
+    got.backward()
+    assert torch.equal(a.grad, torch.zeros_like(x)) and torch.equal(b.grad, a.grad)
+
+
+def test_a_graph_kept_for_several_backwards_gives_each_its_own_scale():
+    # retain_graph: the gradient scaled in place by one factor is rescaled for the next
+    x, t = _pair()
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref, got = F.cross_entropy(a, t), fce.fused_cross_entropy(b, t)
+    for factor in (2.0, 1.0, 0.0, -3.0, 1.0):
+        want, = torch.autograd.grad(ref * factor, a, retain_graph=True)
+        have, = torch.autograd.grad(got * factor, b, retain_graph=True)
+        torch.testing.assert_close(have, want, **TOL)
+
+
+def test_no_gradient_wanted_is_the_loss_only():
+    x, t = _pair(ignored=3)
+    with torch.no_grad():
+        torch.testing.assert_close(fce.fused_cross_entropy(x, t), F.cross_entropy(x, t), **TOL)
+
+
+class Head(torch.nn.Module):
+    def __init__(self, loss):
+        super().__init__()
+        self.proj, self.loss = torch.nn.Linear(8, 30), loss
+
+    def forward(self, x, y):
+        return self.loss(self.proj(x).view(-1, 30), y.view(-1))
+
+
+def _find(loss, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = Head(loss).to(dtype)
+    kwargs = {"x": torch.randn(2, 5, 8, dtype=dtype), "y": torch.randint(0, 30, (2, 5))}
+    cap = capture(model, (), kwargs, "auto")
+    cap(**kwargs)
+    ctx = PassContext(CpuBackend(), True)
+    return [s for slot in cap.slots for s in PASS.find(copy_graph_module(slot.original), ctx)], ctx
+
+
+@pytest.mark.parametrize("loss", [
+    torch.nn.CrossEntropyLoss(),  # reaches the graph positionally (size_average=None, ...)
+    lambda z, y: F.cross_entropy(z, y, ignore_index=-1, reduction="sum"),
+], ids=["module", "functional"])
+def test_finds_the_loss_however_it_is_called(loss):
+    sites, ctx = _find(loss)
+    assert len(sites) == 1, ctx.declined
+
+
+@pytest.mark.parametrize("loss, reason", [
+    (lambda z, y: F.cross_entropy(z, y, label_smoothing=0.1), "label smoothing"),
+    (lambda z, y: F.cross_entropy(z, y, weight=torch.ones(30)), "class-weighted"),
+    (lambda z, y: F.cross_entropy(z, y, reduction="none").sum(), "reduction='none'"),
+])
+def test_declines_what_it_does_not_compute(loss, reason):
+    sites, ctx = _find(loss)
+    assert sites == [] and any(reason in d for d in ctx.declined), ctx.declined
+
+
+def test_declines_half_precision_logits():
+    sites, ctx = _find(torch.nn.CrossEntropyLoss(), torch.bfloat16)
+    assert sites == [] and any("torch.bfloat16" in d for d in ctx.declined)
+
+
+def _bert():
+    cfg = transformers.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                                  intermediate_size=64, vocab_size=96, max_position_embeddings=32,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                  attn_implementation="eager")
+    return transformers.BertForMaskedLM(cfg)
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, n_positions=32, vocab_size=96,
+                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize("family", [_bert, _gpt2], ids=["bert", "gpt2"])
+def test_optimize_keeps_it_when_faster_and_the_training_step_is_unchanged(family):
+    torch.manual_seed(0)
+    model = family().train()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    inputs = {"input_ids": ids, "labels": labels}
+    twin = family().train()
+    twin.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fast, opt = rewriter.optimize(model, inputs, optimizer=opt, passes=["fuse_cross_entropy"],
+                                  clock=ControlledClock(costs={"fuse_cross_entropy": 0.7}),
+                                  gate=QUICK, profile=False, progress=False, knowledge_base=False)
+    d = next(d for d in fast.report.decisions if d.pass_name == "fuse_cross_entropy")
+    assert d.kept, d.reason
+    out = fast(**inputs)
+    assert out.logits is not None  # the logits stay
+    ref = twin(**inputs)
+    torch.testing.assert_close(out.loss, ref.loss, **TOL)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_optimize_rejects_it_when_slower():
+    torch.manual_seed(0)
+    model = _bert().train()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    fast, _ = rewriter.optimize(model, {"input_ids": ids, "labels": ids},
+                                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                passes=["fuse_cross_entropy"],
+                                clock=ControlledClock(costs={"fuse_cross_entropy": 1.4}),
+                                gate=QUICK, profile=False, progress=False, knowledge_base=False)
+    d = next(d for d in fast.report.decisions if d.pass_name == "fuse_cross_entropy")
+    assert not d.kept and d.status == "rejected"
