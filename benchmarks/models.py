@@ -75,24 +75,21 @@ def _bert_config(s: TransformerSize, attn: str) -> Any:
                                    attn_implementation=attn)
 
 
-def _llama_config(s: TransformerSize, attn: str) -> Any:
-    import transformers
-    # Grouped-query attention (half as many KV heads), SwiGLU MLP at LLaMA's 8/3 ratio.
-    return transformers.LlamaConfig(num_hidden_layers=s.layers, hidden_size=s.hidden,
-                                    intermediate_size=(8 * s.hidden // 3 + 63) // 64 * 64,
-                                    num_attention_heads=s.heads, num_key_value_heads=max(1, s.heads // 2),
-                                    vocab_size=s.vocab, max_position_embeddings=s.seq,
-                                    attention_dropout=0.0, attn_implementation=attn)
+def _llama_style_config(config_class: str) -> Callable[[TransformerSize, str], Any]:
+    """LLaMA's layout (Qwen2's adds biases to q/k/v): grouped-query attention (half as many KV
+    heads), SwiGLU MLP at LLaMA's 8/3 ratio."""
+    def make(s: TransformerSize, attn: str) -> Any:
+        import transformers
+        return getattr(transformers, config_class)(
+            num_hidden_layers=s.layers, hidden_size=s.hidden,
+            intermediate_size=(8 * s.hidden // 3 + 63) // 64 * 64, num_attention_heads=s.heads,
+            num_key_value_heads=max(1, s.heads // 2), vocab_size=s.vocab,
+            max_position_embeddings=s.seq, attention_dropout=0.0, attn_implementation=attn)
+    return make
 
 
-def _qwen2_config(s: TransformerSize, attn: str) -> Any:
-    import transformers
-    # LLaMA's layout with biased q/k/v projections and grouped-query attention.
-    return transformers.Qwen2Config(num_hidden_layers=s.layers, hidden_size=s.hidden,
-                                    intermediate_size=(8 * s.hidden // 3 + 63) // 64 * 64,
-                                    num_attention_heads=s.heads, num_key_value_heads=max(1, s.heads // 2),
-                                    vocab_size=s.vocab, max_position_embeddings=s.seq,
-                                    attention_dropout=0.0, attn_implementation=attn)
+_llama_config = _llama_style_config("LlamaConfig")
+_qwen2_config = _llama_style_config("Qwen2Config")
 
 
 def _distilbert_config(s: TransformerSize, attn: str) -> Any:
