@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from rewriter.capture.ir import arg, mark_new_node, static_number, tensor_info
+from rewriter.capture.ir import arg, call_arguments, mark_new_node, static_number, tensor_info
 from rewriter.devices import amp
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
@@ -130,17 +130,12 @@ def fused_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index
 amp.FLOAT_OPS.add(fused_cross_entropy)
 
 
-_NAMES = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
-          "label_smoothing")  # F.cross_entropy's parameters, in order
-_DEFAULTS = (None, None, None, None, -100, None, "mean", 0.0)
-
-
 def ce_arguments(gm: GraphModule, node: Node) -> dict[str, Any] | None:
     """The cross-entropy's arguments by name at ``node``: an ``F.cross_entropy`` call (keywords
     or positions: a loss module built inside forward reaches a Dynamo graph positionally) or an
     ``nn.CrossEntropyLoss`` submodule's call (its settings are its attributes); None otherwise."""
     if node.op == "call_function" and node.target is F.cross_entropy:
-        return {n: arg(node, i, n, d) for i, (n, d) in enumerate(zip(_NAMES, _DEFAULTS))}
+        return call_arguments(node, F.cross_entropy)
     if node.op == "call_module":
         try:
             mod = gm.get_submodule(str(node.target))

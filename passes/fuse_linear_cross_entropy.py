@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from rewriter.capture.ir import arg, is_cast, is_op, mark_new_node, static_number, tensor_info
+from rewriter.capture.ir import arg, call_arguments, is_cast, is_op, mark_new_node, static_number, tensor_info
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 # --- the fused computation ----------------------------------------------------------------------
@@ -270,13 +270,12 @@ def match(ce: Node) -> LceMatch | str | None:
         return None
     chain.append(node)
     chain.reverse()
-    if arg(ce, 2, "weight") is not None:
+    a = call_arguments(ce, F.cross_entropy)
+    if a["weight"] is not None:
         return "a class-weighted loss"
-    if arg(ce, 3, "size_average") is not None or arg(ce, 5, "reduce") is not None:
+    if a["size_average"] is not None or a["reduce"] is not None:
         return "the deprecated size_average/reduce arguments"
-    reduction = arg(ce, 6, "reduction", "mean")
-    ignore = arg(ce, 4, "ignore_index", -100)
-    smoothing = arg(ce, 7, "label_smoothing", 0.0)
+    reduction, ignore, smoothing = a["reduction"], a["ignore_index"], a["label_smoothing"]
     if reduction not in ("mean", "sum"):
         return f"reduction={reduction!r} (a loss per token needs the logits' rows)"
     if not isinstance(ignore, int) or static_number(smoothing) is None:

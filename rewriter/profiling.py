@@ -59,6 +59,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from rewriter.decide.gate import host_page_faults
 from rewriter.devices.backends import Backend, get_backend, import_torch_npu
 from rewriter.profile.ascend_tables import result_from_ascend
 from rewriter.profile.attribution import is_python_frame
@@ -296,16 +297,6 @@ def profile_run(run: Callable[[], Any], device: str | torch.device | Backend | N
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
-
-
-def host_page_faults() -> int | None:
-    """This process's minor page faults so far (fresh pages the kernel mapped and zeroed), or
-    None where the platform does not count them."""
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _peaks_for(peaks: Peaks | str | None, backend: Backend, cache_dir: str | os.PathLike | None,

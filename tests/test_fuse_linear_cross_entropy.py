@@ -5,9 +5,10 @@ import torch
 import torch.nn.functional as F
 
 import rewriter
+from passes import fuse_cross_entropy as fce
 from passes import fuse_linear_cross_entropy as lce
 from rewriter.capture.front_ends import capture
-from rewriter.capture.ir import copy_graph_module
+from rewriter.capture.ir import annotate_tensor_info, copy_graph_module
 from rewriter.devices.backends import CpuBackend
 from rewriter.pass_api import PassContext
 from tests.controlled import QUICK, ControlledClock
@@ -230,3 +231,26 @@ def test_optimize_with_time_objective_leaves_the_logits(xy):
     d = fast.report.decisions[0]
     assert not d.kept and d.status == "no sites" and "objective='memory'" in d.reason
     assert fast(**inputs).logits is not None
+
+
+class PositionalLoss(torch.nn.Module):
+    """A linear head and its loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, VOCAB, bias=False)
+
+    def forward(self, x, y):
+        logits = F.linear(x, self.head.weight)
+        return F.cross_entropy(logits.view(-1, VOCAB), y.view(-1))
+
+
+def test_a_positional_call_reads_each_argument_by_its_name(xy):
+    # the traced call's arguments put in positions, as BERT's loss reached its Dynamo graph
+    gm = torch.fx.symbolic_trace(PositionalLoss())
+    annotate_tensor_info(gm, (xy["x"], xy["y"]), {})
+    ce = next(n for n in gm.graph.nodes if n.target is F.cross_entropy)
+    ce.args, ce.kwargs = (*ce.args, None, None, -100, None, "mean", 0.0), {}
+    for p in (PASS, fce.FuseCrossEntropy()):
+        ctx = PassContext(CpuBackend(), True, objective="memory")
+        assert len(p.find(gm, ctx)) == 1, (p.name, ctx.declined)

@@ -96,6 +96,17 @@ def arg(node: Node, index: int, name: str, default: Any = None) -> Any:
     return node.kwargs.get(name, default)
 
 
+def call_arguments(node: Node, fn: Callable[..., Any]) -> dict[str, Any]:
+    """``node``'s arguments to ``fn`` by parameter name, each given by position or keyword,
+    ``fn``'s defaults filled in (a positional call, ``cross_entropy(x, t, None, None, -100)``,
+    reads as a keyword one)."""
+    found = {}
+    for i, (name, p) in enumerate(inspect.signature(fn).parameters.items()):
+        default = None if p.default is inspect.Parameter.empty else p.default
+        found[name] = node.kwargs.get(name, default) if p.kind is p.KEYWORD_ONLY else arg(node, i, name, default)
+    return found
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Static facts about a tensor a node produced on the example inputs."""

@@ -69,11 +69,17 @@ class WallClock:
     @staticmethod
     def page_faults() -> int | None:
         """This process's minor page faults so far (None where not counted): see the module."""
-        try:
-            import resource
-        except ImportError:  # not POSIX
-            return None
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        return host_page_faults()
+
+
+def host_page_faults() -> int | None:
+    """This process's minor page faults so far (fresh pages the kernel mapped and zeroed), or
+    None where the platform does not count them."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 class EventClock:
@@ -150,13 +156,17 @@ class Measurement:
     baseline_faults: list[int] = field(default_factory=list)
     candidate_faults: list[int] = field(default_factory=list)
 
-    def _slow(self) -> tuple[list[bool], list[bool]]:
-        """Per pair, per variant: a sample far above its variant's usual (lower-decile) time."""
+    def _slow_and_own(self) -> list[tuple[bool, bool]]:
+        """Per sample, baseline's then candidate's: (far above its variant's usual, lower-decile,
+        time; explained by its own page faults)."""
         earlier_a, earlier_b = self.earlier or ([], [])
-        lo_a = _lower_decile(self.baseline_times + earlier_a)
-        lo_b = _lower_decile(self.candidate_times + earlier_b)
-        f = self.outlier_factor
-        return [a > f * lo_a for a in self.baseline_times], [b > f * lo_b for b in self.candidate_times]
+        f, n = self.outlier_factor, len(self.baseline_times)
+        result = []
+        for times, earlier, faults in ((self.baseline_times, earlier_a, self.baseline_faults),
+                                       (self.candidate_times, earlier_b, self.candidate_faults)):
+            lo = _lower_decile(times + earlier)
+            result += zip([t > f * lo for t in times], faults_explain(faults, n))
+        return result
 
     @property
     def flagged(self) -> list[bool]:
@@ -164,21 +174,16 @@ class Measurement:
         its own page faults."""
         if not self.baseline_times:
             return []
-        slow_a, slow_b = self._slow()
         n = len(self.baseline_times)
-        own_a, own_b = faults_explain(self.baseline_faults, n), faults_explain(self.candidate_faults, n)
-        return [(sa and not oa) or (sb and not ob)
-                for sa, sb, oa, ob in zip(slow_a, slow_b, own_a, own_b)]
+        bad = [slow and not own for slow, own in self._slow_and_own()]
+        return [a or b for a, b in zip(bad[:n], bad[n:])]
 
     @property
     def slow_with_own_faults(self) -> int:
         """Slow samples kept in because their own page faults account for them."""
         if not self.baseline_times:
             return 0
-        slow_a, slow_b = self._slow()
-        n = len(self.baseline_times)
-        own_a, own_b = faults_explain(self.baseline_faults, n), faults_explain(self.candidate_faults, n)
-        return sum(s and o for s, o in zip(slow_a + slow_b, own_a + own_b))
+        return sum(slow and own for slow, own in self._slow_and_own())
 
     @property
     def flagged_fraction(self) -> float:
@@ -336,13 +341,13 @@ def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings
     for i in range(settings.max_pairs):
         first, second = (baseline, candidate) if i % 2 == 0 else (candidate, baseline)
         t0 = time.perf_counter()
-        (t_first, f_first), (t_second, f_second) = _timed(clock, first), _timed(clock, second)
+        sample_first, sample_second = _timed(clock, first), _timed(clock, second)
         longest = max(longest, time.perf_counter() - t0)
-        a, b = (t_first, t_second) if first is baseline else (t_second, t_first)
+        (a, fa), (b, fb) = ((sample_first, sample_second) if first is baseline
+                            else (sample_second, sample_first))
         m.baseline_times.append(a)
         m.candidate_times.append(b)
-        if f_first is not None and f_second is not None:
-            fa, fb = (f_first, f_second) if first is baseline else (f_second, f_first)
+        if fa is not None and fb is not None:
             m.baseline_faults.append(fa)
             m.candidate_faults.append(fb)
         if early is not None and i + 1 < settings.min_pairs and not any(m.flagged) and early(m):
