@@ -63,26 +63,6 @@ def _int_of(value: object) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def _rotate_half_of(cat: object) -> tuple[Node, list[Node]] | None:
-    """(x, nodes) when ``cat`` is ``torch.cat((-x2, x1), -1)`` of ``x``'s halves."""
-    if not is_op(cat, "cat"):
-        return None
-    parts, dim = cat.args[0], arg(cat, 1, "dim", 0)
-    if not isinstance(parts, (list, tuple)) or len(parts) != 2 or not is_op(parts[0], "neg"):
-        return None
-    neg, x1 = parts
-    x2 = neg.args[0]
-    x = x1.args[0] if isinstance(x1, Node) and x1.args else None
-    info = tensor_info(x)
-    if info is None or dim % info.ndim != info.ndim - 1 or info.shape[-1] % 2:
-        return None
-    half = info.shape[-1] // 2
-    if _slice_half(x1, x, True, half) and _slice_half(x2, x, False, half) \
-            and single_user(neg, cat) and single_user(x1, cat) and single_user(x2, neg):
-        return x, [x1, x2, neg, cat]
-    return None
-
-
 def _cos_sin_fit(x: Node, table: object) -> bool:
     xi, ti = tensor_info(x), tensor_info(table)
     if xi is None or ti is None or ti.ndim != xi.ndim or ti.shape[-1] != xi.shape[-1]:
