@@ -16,10 +16,12 @@ enough to stay in cache (CPU; elsewhere one chunk): the log-softmax into the gra
 (the kernel F.cross_entropy runs), the target's log-probability picked out, then ``exp(logp -
 log count)`` in place (an ignored row's shift is +inf, so its row is 0), and the target's
 -1/count scattered in. Backward returns that tensor, scaled in place when the incoming gradient
-is not 1. The cross-entropy of 1024 x 8000 fp32 logits, forward + backward in isolation (2-core
-Xeon without AMX): 5.7-6.2 ms against 6.2-13.5 ms for F.cross_entropy. In the training step with
-the expert's SDPA and fused AdamW (one process, 30 pairs, an earlier unchunked form): BERT
-1.05-1.07x, GPT-2 1.03-1.06x, LLaMA 1.01-1.04x.
+is not 1. The cross-entropy of 1024 x 8000 fp32 logits, forward + backward, side by side
+(``python -m benchmarks.cross_entropy``, 2-core Xeon without AMX): 1.6-3.1x over two runs,
+F.cross_entropy taking 6-20 ms as its tensors land on warm heap or fresh pages, this form 6-12
+ms. In the training step with the expert's SDPA and fused AdamW (one process, 30 pairs, an
+earlier unchunked form, an exploratory script): BERT 1.05-1.07x, GPT-2 1.03-1.06x, LLaMA
+1.01-1.04x.
 
 Safe when: the logits are 2-D fp32 with a 1-D integer target; no class weights, no label
 smoothing, no deprecated ``size_average``/``reduce``, reduction ``mean`` or ``sum``, a constant
@@ -99,10 +101,9 @@ CHUNK_BYTES = 2 << 20  # CPU: a chunk of logits that stays in cache between its 
 
 def chunk_rows(logits: torch.Tensor) -> int:
     """Rows per chunk: on CPU about ``CHUNK_BYTES`` of logits (2-core Xeon, 1024 x 8000 fp32,
-    forward + backward in isolation: this form in chunks of 65 rows 5.7-6.1 ms against
-    F.cross_entropy's 6.2-13.5 ms, ``.diag/ce_v2.py``; an earlier form took 5.9-6.4 ms in chunks
-    of 32 to 256 rows and 7.0-10.5 ms in one, ``.diag/ce_micro2.py``); elsewhere all rows at once
-    (each chunk is a handful of kernel launches there)."""
+    forward + backward, medians of 25 runs of each form in turn, exploratory scripts: an earlier
+    form took 5.9-6.4 ms in chunks of 32 to 256 rows and 7.0-10.5 ms in one chunk); elsewhere all
+    rows at once (each chunk is a handful of kernel launches there)."""
     if logits.device.type != "cpu":
         return max(1, logits.shape[0])
     per_chunk = CHUNK_BYTES // max(1, logits.shape[1] * logits.element_size())

@@ -390,3 +390,10 @@ def test_compile_families_rows_come_from_fresh_processes_and_give_the_compile_ve
     ) == "not tried: would not repay within the run"
     with pytest.raises(SystemExit):
         compile_families.main(["--only", "NoSuchConfig"])
+
+
+def test_the_cross_entropy_benchmark_runs(capsys):
+    from benchmarks import cross_entropy
+    assert cross_entropy.main(["--rows", "8", "--classes", "16", "--rounds", "1", "--pairs", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Machine: ") and "round 1: " in out and "x ±" in out
