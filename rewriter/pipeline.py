@@ -165,7 +165,11 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
 
     def _settle_installation(self, outcome: Outcome) -> None:
         """Regional capture: the installed block forwards stay, engaged for every call from now
-        on, when a block graph runs rewritten; otherwise they are taken off again."""
+        on, when any captured graph runs rewritten (a block's, or one outside the blocks: the
+        graphs outside were captured with the blocks installed, and taking them off makes
+        Dynamo trace the forwards that call the blocks again, inline, at the user's first step:
+        LLaMA, 4 layers, only fuse_cross_entropy kept, 2-core Xeon: a first step of 1.26 s
+        against 0.16 s engaged); otherwise they are taken off again."""
         cap: RegionalCapture = outcome.capture  # type: ignore[assignment]
         rows = cap.block_rows()
         for row in rows:  # which kept passes rewrite this block's graphs
@@ -176,7 +180,8 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
         self.report.blocks = rows
         if cap.lifted_for_good:
             pass  # the compiled original model runs, guarded against the class patches as they are
-        elif outcome.use_original or not (any(r["rewritten"] for r in rows) or outcome.blocks_compiled):
+        elif outcome.use_original or not (any(r["rewritten"] for r in rows) or outcome.blocks_compiled
+                                          or any(s.rewritten for s in cap.slots if s.block is None)):
             cap.remove()
         else:
             cap.engage()

@@ -103,7 +103,7 @@ class OptimizedModel(nn.Module):
             return []
         live = not outcome.use_original
         return [{"graph": s.name, "block": s.block, "runs": s.runs,
-                 "rewritten": live and (s.kept is not s.original or s.overlay is not None)}
+                 "rewritten": live and s.rewritten}
                 for s in outcome.capture.slots]
 
     def __getattr__(self, name: str) -> Any:

@@ -220,6 +220,58 @@ def test_a_slower_block_rewrite_is_not_installed():
     assert Block.__dict__["forward"].__qualname__ == "Block.forward"  # taken off again
 
 
+class PlainBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x)
+
+
+class PlainStack(nn.Module):
+    def __init__(self, n: int, d: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(PlainBlock(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class ReluHead(nn.Module):
+    """Blocks with nothing to rewrite; the relu the pass rewrites is in the head, outside the
+    forward that calls the blocks (as a causal LM's head and loss are)."""
+
+    def __init__(self, n: int = 2, d: int = 16) -> None:
+        super().__init__()
+        self.body = PlainStack(n, d)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.head(self.body(x)))
+
+
+def test_a_rewrite_outside_the_blocks_keeps_the_installation_so_nothing_is_traced_again():
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model, x = ReluHead(n=2).eval(), torch.randn(4, 16)
+    want = model(x)
+    fast = _opt(model, (x,))
+    assert _decision(fast).kept
+    assert fast.report.blocks[0]["rewritten"] is False
+    # the graphs outside the blocks were captured with the blocks installed: they stay, engaged
+    assert PlainBlock.__dict__["forward"].__qualname__ != "PlainBlock.forward"
+    frames = counters["stats"]["unique_graphs"]
+    with torch.no_grad():  # as it was measured (an eval model: inference)
+        assert _calls(lambda: torch.testing.assert_close(fast(x), want)) == 1  # the head's relu
+    assert counters["stats"]["unique_graphs"] == frames  # the captured graphs ran: no new trace
+    fast.restore()
+    assert PlainBlock.__dict__["forward"].__qualname__ == "PlainBlock.forward"
+
+
 def test_one_block_graph_whatever_the_depth():
     torch.manual_seed(0)
     rows = {}

@@ -81,6 +81,11 @@ class GraphSlot:
         # rewrites set aside, rewriter.decide.compile_gate); None: kept_run
         self.compile_source: GraphModule | None = None
 
+    @property
+    def rewritten(self) -> bool:
+        """Whether this graph runs with a kept rewrite (its own graph or a precision overlay)."""
+        return self.kept is not self.original or self.overlay is not None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.runs += 1
         if self.switch.use_candidate and self.candidate_run is not None:

@@ -185,8 +185,7 @@ class RegionalCapture(DynamoCapture):
                          "first": b.instances[0][0], "last": b.instances[-1][0],
                          "graphs": [s.name for s in mine],
                          "nodes": [len(s.original.graph.nodes) for s in mine],
-                         "rewritten": any(s.kept is not s.original or s.overlay is not None
-                                          for s in mine)})
+                         "rewritten": any(s.rewritten for s in mine)})
         return rows
 
 
