@@ -113,12 +113,14 @@ def test_unknown_names_are_refused(tmp_path):
         run.parse_args(["--models", "gpt3", "--out", str(tmp_path)])
 
 
-def test_the_two_extra_families_run_on_request_only(tmp_path):
+def test_the_extra_families_run_on_request_only(tmp_path):
     assert run.parse_args(["--out", str(tmp_path)]).models == ["gpt2", "bert", "llama", "convnet",
                                                               "onehot_mlp", "transposed_linear"]
     assert run.parse_args(["--models", "qwen2,distilbert", "--out", str(tmp_path)]).models == [
         "qwen2", "distilbert"]
-    for name, cls in (("qwen2", "Qwen2ForCausalLM"), ("distilbert", "DistilBertForMaskedLM")):
+    for name, cls in (("qwen2", "Qwen2ForCausalLM"), ("distilbert", "DistilBertForMaskedLM"),
+                      ("mistral", "MistralForCausalLM"), ("phi3", "Phi3ForCausalLM"),
+                      ("gpt_neox", "GPTNeoXForCausalLM"), ("roberta", "RobertaForMaskedLM")):
         case = build_case(name, quick=True, training=True)
         expert, inputs = case.make_expert(case.model)
         assert type(case.model).__name__ == cls and case.model.config._attn_implementation == "eager"
