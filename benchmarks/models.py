@@ -15,6 +15,7 @@ Every dropout probability is 0, so all configurations compute comparable outputs
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -133,11 +134,13 @@ _TRANSFORMERS = {"gpt2": ("GPT2LMHeadModel", _gpt2_config),
                  "roberta": ("RobertaForMaskedLM", _roberta_config)}
 
 
-def _transformer_case(name: str, size: str, training: bool) -> ModelCase:
+def _transformer_case(name: str, size: str, training: bool, vocab: int | None = None) -> ModelCase:
     import transformers
     class_name, make_config = _TRANSFORMERS[name]
     cls = getattr(transformers, class_name)
     s = TRANSFORMER_SIZES[size]
+    if vocab is not None and size != "quick":  # the quick size stays tiny
+        s = dataclasses.replace(s, vocab=vocab)
     model = cls(make_config(s, "eager")).train(training)
     ids = torch.randint(0, s.vocab, (s.batch, s.seq), generator=torch.Generator().manual_seed(1))
     # labels=input_ids: out.loss exists (causal LM shifts them; BERT's MLM loss covers every token).
@@ -301,6 +304,8 @@ EXTRA_BUILDERS: dict[str, Callable[[str, bool], ModelCase]] = {
     name: (lambda size, training, name=name: _transformer_case(name, size, training))
     for name in ("qwen2", "distilbert", "mistral", "phi3", "gpt_neox", "roberta")
 }
+# LLaMA with a tokenizer-sized vocabulary (32 000, LLaMA's own): the loss and the head dominate
+EXTRA_BUILDERS["llama_32k"] = lambda size, training: _transformer_case("llama", size, training, 32000)
 ALL_MODEL_NAMES = MODEL_NAMES + tuple(EXTRA_BUILDERS)
 
 

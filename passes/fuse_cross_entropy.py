@@ -16,10 +16,12 @@ enough to stay in cache (CPU; elsewhere one chunk): the log-softmax into the gra
 (the kernel F.cross_entropy runs), the target's log-probability picked out, then ``exp(logp -
 log count)`` in place (an ignored row's shift is +inf, so its row is 0), and the target's
 -1/count scattered in. Backward returns that tensor, scaled in place when the incoming gradient
-is not 1. The cross-entropy of 1024 x 8000 fp32 logits, forward + backward, side by side
-(``python -m benchmarks.cross_entropy``, 2-core Xeon without AMX): 1.6-3.1x over two runs,
-F.cross_entropy taking 6-20 ms as its tensors land on warm heap or fresh pages, this form 6-12
-ms. In the training step with the expert's SDPA and fused AdamW (one process, 30 pairs, an
+is not 1. On CPU the tensor is one kept between calls while nothing else holds it
+(:class:`_Spares`): mapped afresh at each call, its pages cost as much as the loss itself.
+The cross-entropy of 1024 x 8000 fp32 logits, forward + backward, side by side (``python -m
+benchmarks.cross_entropy``, 2-core Xeon without AMX): 1.5-1.9x over two runs, F.cross_entropy
+taking 6-20 ms as its tensors land on warm heap or fresh pages, this form 5.5-5.7 ms; at
+1024 x 32000 (``--classes 32000``) 4.1-4.2x (110-112 ms against 26-27 ms). In the training step with the expert's SDPA and fused AdamW (one process, 30 pairs, an
 earlier unchunked form, an exploratory script): BERT 1.05-1.07x, GPT-2 1.03-1.06x, LLaMA
 1.01-1.04x.
 
@@ -35,6 +37,7 @@ Under a regional compile the compiler gets the unfused loss (rewriter.decide.com
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import torch
@@ -62,7 +65,7 @@ class CrossEntropyGradInForward(torch.autograd.Function):
         # softmax / count = exp(log_softmax - log count); an ignored row's shift is +inf: 0
         offset = torch.log(count) if mean else torch.zeros((), dtype=logits.dtype, device=logits.device)
         shift = torch.where(valid, offset, math.inf)[:, None]
-        grad = torch.empty_like(logits)  # holds the log-probabilities first
+        grad = gradient_buffer(logits)  # holds the log-probabilities first
         picked = torch.empty_like(t, dtype=logits.dtype)
         rows = chunk_rows(logits)
         for s in range(0, logits.shape[0], rows):  # a chunk stays in cache through its ops
@@ -78,22 +81,75 @@ class CrossEntropyGradInForward(torch.autograd.Function):
             # the target's -1/count (-1 for a sum) on valid rows; where, not a product: 0/0
             step = torch.where(valid, -1.0 / count if mean else -1.0, 0.0)
             grad.scatter_add_(1, t, step[:, None].to(logits.dtype))
-            # held on ctx, not saved: backward scales it in place, and a second backward
-            # (retain_graph) rescales it by the factor already applied
-            ctx.grad, ctx.applied = grad, 1.0
+            # saved, so autograd lets it go once the graph is freed (the next step reuses the
+            # buffer); backward scales it in place, and a second backward (retain_graph)
+            # rescales it by the factor already applied
+            ctx.save_for_backward(grad)
+            ctx.applied = 1.0
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
-        grad, applied = ctx.grad, ctx.applied
+        (grad,), applied = ctx.saved_tensors, ctx.applied
         scale = _cpu_scalar(grad_loss)
         if scale is None or scale == 0.0 or not math.isfinite(scale):
             # a device scalar (no sync), or a factor that cannot be undone: a new tensor
             return (grad * (grad_loss / applied) if applied != 1.0 else grad * grad_loss), None, None, None
         if scale != applied:  # scaled in place, once per factor: no new [tokens, vocab] tensor
-            grad.mul_(scale / applied)
+            # .data: the in-place scale is not a change autograd must see (it would refuse the
+            # saved tensor at a second backward); the factor applied is tracked here instead
+            grad.data.mul_(scale / applied)
             ctx.applied = scale
         return grad, None, None, None
+
+
+class _Spares:
+    """On CPU, one [tokens, classes] buffer per dtype kept between calls and handed out again
+    while nothing else holds its storage. A fresh one above glibc's largest mmap threshold
+    (32 MiB) is mapped anew at every call and faults in every page: 1024 x 32000 fp32 logits,
+    forward + backward, side by side (`.diag` script, 2-core Xeon without AMX): 56 ms with a
+    fresh buffer, 28.5 ms reused (32 000 page faults a call, then none); at 1024 x 8000 the
+    same 5 ms, but a fresh buffer took 12 ms in one run of two, as glibc's heap held it or not.
+    What is kept is what a step needs anyway (a caching allocator's block): at most twice the
+    current size, per dtype; :func:`release_buffers` frees it."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, int]] = {}
+        self.lock = threading.Lock()
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        n, key = like.numel(), (like.dtype, like.device)
+        with self.lock:
+            spare, idle = self.buffers.get(key, (None, 0))
+            if spare is None or not n <= spare.numel() <= 2 * n or _storage_uses(spare) > idle:
+                # none yet, the wrong size, or still held (a graph not yet backpropagated, a
+                # gradient kept): a new one, and the old one is freed with its last holder
+                spare = torch.empty(n, dtype=like.dtype, device=like.device)
+                self.buffers[key] = spare, _storage_uses(spare)
+            return spare[:n].view(like.shape)
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_SPARES = _Spares()
+
+
+def gradient_buffer(logits: torch.Tensor) -> torch.Tensor:
+    """An uninitialized contiguous tensor the shape of ``logits``: on CPU a kept one
+    (:class:`_Spares`), elsewhere (a caching allocator reuses memory already) or while
+    compiling, a new one."""
+    if (logits.device.type != "cpu" or torch.compiler.is_compiling()
+            or not hasattr(torch._C, "_storage_Use_Count")):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+    return _SPARES.take(logits)
+
+
+def release_buffers() -> None:
+    """Free the CPU buffers kept between calls (they are freed once their last user is)."""
+    with _SPARES.lock:
+        _SPARES.buffers.clear()
 
 
 CHUNK_BYTES = 2 << 20  # CPU: a chunk of logits that stays in cache between its two passes

@@ -47,6 +47,7 @@ from rewriter.decide.knowledge import KnowledgeBase
 from rewriter.decide.optimizer_gate import gate_optimizer
 from rewriter.decide.optimizer_gate import step_saved_ms as optimizer_saved_ms
 from rewriter.decide.reference import Reference
+from rewriter.decide.hot_first import HotFirst
 from rewriter.decide.regions import RegionDecisions
 from rewriter.decide.replay import PlanReplay, replay_on_slot
 from rewriter.decide.state import preserved_state
@@ -120,7 +121,7 @@ def run_pipeline(job: Job, passes: list[Pass], settings: Settings) -> Outcome:
     return Run(job, passes, settings).execute()
 
 
-class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
+class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
     """One optimize() job: owns the capture, the reference numerics, the state snapshot, the
     kept decisions and the report."""
 
@@ -359,11 +360,16 @@ class Run(RegionDecisions, StepDecisions, CaptureStage, PlanReplay):
             slot.set_overlay(overlay)
 
     def _decide_each(self, passes: list[Pass]) -> None:
-        for i, p in enumerate(passes, 1):
+        """Passes without sites at once, the others hottest first (rewriter.decide.hot_first);
+        the report lists them as registered."""
+        at_once, hot = self._hot_first(passes)
+        rows, number = {}, {id(p): i for i, p in enumerate(passes, 1)}
+        for p in at_once + hot:
             d = self._try(p)  # finding sites is cheap; measuring them checks the budget
             self.snapshot.restore()
-            self.report.decisions.append(d)
-            log.info("rewriter: [%d/%d] %s: %s: %s", i, len(passes), p.name, d.status, d.reason)
+            rows[id(p)] = d
+            log.info("rewriter: [%d/%d] %s: %s: %s", number[id(p)], len(passes), p.name, d.status, d.reason)
+        self.report.decisions += [rows[id(p)] for p in passes]
 
     def _decide_optimizer(self) -> None:
         if self._out_of_time():

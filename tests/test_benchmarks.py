@@ -120,7 +120,8 @@ def test_the_extra_families_run_on_request_only(tmp_path):
         "qwen2", "distilbert"]
     for name, cls in (("qwen2", "Qwen2ForCausalLM"), ("distilbert", "DistilBertForMaskedLM"),
                       ("mistral", "MistralForCausalLM"), ("phi3", "Phi3ForCausalLM"),
-                      ("gpt_neox", "GPTNeoXForCausalLM"), ("roberta", "RobertaForMaskedLM")):
+                      ("gpt_neox", "GPTNeoXForCausalLM"), ("roberta", "RobertaForMaskedLM"),
+                      ("llama_32k", "LlamaForCausalLM")):
         case = build_case(name, quick=True, training=True)
         expert, inputs = case.make_expert(case.model)
         assert type(case.model).__name__ == cls and case.model.config._attn_implementation == "eager"

@@ -66,6 +66,54 @@ def test_a_graph_kept_for_several_backwards_gives_each_its_own_scale():
         torch.testing.assert_close(have, want, **TOL)
 
 
+def _grad_of(x, t):
+    return torch.autograd.grad(fce.fused_cross_entropy(x, t), x)[0]
+
+
+def test_the_gradient_buffer_is_reused_once_nothing_holds_it():
+    fce.release_buffers()
+    x, t = _pair(ignored=3)
+    x.requires_grad_()
+    first = _grad_of(x, t)
+    where = first.data_ptr()
+    del first  # the step is over: the buffer is free again
+    again = _grad_of(x, t)
+    assert again.data_ptr() == where
+    torch.testing.assert_close(again, torch.autograd.grad(F.cross_entropy(x, t), x)[0], **TOL)
+
+
+def test_a_loss_kept_after_its_backward_does_not_hold_the_buffer():
+    # a training loop's `loss` lives on into the next step's forward
+    fce.release_buffers()
+    x, t = _pair(ignored=3)
+    w = torch.eye(x.shape[1]).requires_grad_()
+    spare = lambda: fce._SPARES.buffers[(x.dtype, x.device)][0]  # noqa: E731
+    losses, buffers = [], []
+    for _ in range(3):
+        losses.append(fce.fused_cross_entropy(x @ w, t))
+        losses[-1].backward()
+        buffers.append(spare())
+    assert all(b is buffers[0] for b in buffers)  # one buffer, reused at every step
+    want = torch.autograd.grad(F.cross_entropy(x @ w, t), w)[0]
+    torch.testing.assert_close(w.grad, 3 * want, **TOL)
+
+
+def test_a_gradient_still_held_is_never_overwritten():
+    fce.release_buffers()
+    x, t = _pair(ignored=3)
+    y = x.clone().mul_(3).requires_grad_()
+    x.requires_grad_()
+    kept = _grad_of(x, t)  # a gradient the caller keeps
+    pending = fce.fused_cross_entropy(y, t)  # a graph not yet backpropagated
+    other = _grad_of(y, t)
+    assert len({kept.data_ptr(), other.data_ptr()}) == 2
+    torch.testing.assert_close(kept, torch.autograd.grad(F.cross_entropy(x, t), x)[0], **TOL)
+    got, = torch.autograd.grad(pending, y)
+    assert got.data_ptr() not in (kept.data_ptr(), other.data_ptr())
+    torch.testing.assert_close(got, torch.autograd.grad(F.cross_entropy(y, t), y)[0], **TOL)
+    torch.testing.assert_close(kept, torch.autograd.grad(F.cross_entropy(x, t), x)[0], **TOL)
+
+
 def test_no_gradient_wanted_is_the_loss_only():
     x, t = _pair(ignored=3)
     with torch.no_grad():

@@ -292,9 +292,11 @@ class RegionDecisions:
         step_ms = 1e3 * self.step_seconds
         if step_ms <= 0 or self.settings.gate.negligible <= 0:
             return "", None
-        with self._phase("measure"):
-            once = original_ms(r, values, self.job.training, clock=self.clock,
-                               forms=self._forms(r, overlay))
+        once = self._scanned_ms(r) if overlay is None else None  # timed in the scan (hot_first)
+        if once is None:
+            with self._phase("measure"):
+                once = original_ms(r, values, self.job.training, clock=self.clock,
+                                   forms=self._forms(r, overlay))
         return self._negligible_original(once, sites), once
 
     def _negligible_original(self, once_ms: float, sites: int) -> str:

@@ -233,7 +233,7 @@ def original_ms(region: Region, values: list[Recorded], training: bool, *, clock
 
 def _fastest_of_three_ms(call: RegionCall, clock: Clock) -> float:
     """A first (untimed) call, then the fastest of three timed ones, in ms."""
-    once = Step(_repeated(call, 1), (), "original region", scope="region")
+    once = Step(_repeated(call, 1), (), "original region, one call", scope="region")
     call.run()
     return 1e3 * min(clock.time(once) for _ in range(3))
 
