@@ -51,6 +51,10 @@ _VIEWS = {"transpose", "t", "view", "_unsafe_view", "permute", "expand", "as_str
 # Allocations: uninitialised memory, no FLOPs or bytes moved (on a 2-core Xeon `empty_like`
 # once ranked third, at 1.2% of a GPT-2 step).
 _ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_"}
+# Operators whose work the operator below them does and is costed for (its time too): their
+# self time is bookkeeping (rewriter.profile.opcalls; `embedding` once ranked third, at 1.2%
+# of a GPT-2 step, its index_select below it).
+_DISPATCHING = {"embedding"}
 
 
 def _top_three(out: str) -> list[str]:
@@ -75,7 +79,7 @@ def test_gpt2_training_top_three_name_line_fraction_of_peak_and_bound(tmp_path, 
         # verdict does not: every operator that does arithmetic, and no view or allocation (their
         # self time is bookkeeping, with no FLOPs or bytes of their own).
         op = re.match(r"\d\. `aten::(\w+)`", line)
-        if op is not None and op.group(1) in _VIEWS | _ALLOCATIONS:
+        if op is not None and op.group(1) in _VIEWS | _ALLOCATIONS | _DISPATCHING:
             assert not re.search(verdict, line), line
         else:
             assert re.search(verdict, line), line
