@@ -134,7 +134,8 @@ _TRANSFORMERS = {"gpt2": ("GPT2LMHeadModel", _gpt2_config),
                  "roberta": ("RobertaForMaskedLM", _roberta_config)}
 
 
-def _transformer_case(name: str, size: str, training: bool, vocab: int | None = None) -> ModelCase:
+def _transformer_case(name: str, size: str, training: bool, vocab: int | None = None,
+                      case_name: str | None = None) -> ModelCase:
     import transformers
     class_name, make_config = _TRANSFORMERS[name]
     cls = getattr(transformers, class_name)
@@ -154,7 +155,7 @@ def _transformer_case(name: str, size: str, training: bool, vocab: int | None = 
 
     description = (f"{class_name}, {s.layers} layers, hidden {s.hidden}, {s.heads} heads, vocab "
                    f"{s.vocab}, eager attention; batch {s.batch} x {s.seq} tokens")
-    return ModelCase(name, description, model, inputs, None, make_expert,
+    return ModelCase(case_name or name, description, model, inputs, None, make_expert,
                      "transformers' SDPA attention (attn_implementation='sdpa')")
 
 
@@ -305,7 +306,8 @@ EXTRA_BUILDERS: dict[str, Callable[[str, bool], ModelCase]] = {
     for name in ("qwen2", "distilbert", "mistral", "phi3", "gpt_neox", "roberta")
 }
 # LLaMA with a tokenizer-sized vocabulary (32 000, LLaMA's own): the loss and the head dominate
-EXTRA_BUILDERS["llama_32k"] = lambda size, training: _transformer_case("llama", size, training, 32000)
+EXTRA_BUILDERS["llama_32k"] = lambda size, training: _transformer_case("llama", size, training, 32000,
+                                                                      "llama_32k")
 ALL_MODEL_NAMES = MODEL_NAMES + tuple(EXTRA_BUILDERS)
 
 

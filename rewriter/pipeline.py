@@ -370,6 +370,7 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
             rows[id(p)] = d
             log.info("rewriter: [%d/%d] %s: %s: %s", number[id(p)], len(passes), p.name, d.status, d.reason)
         self.report.decisions += [rows[id(p)] for p in passes]
+        self._scan_values = None  # the scan's recording: let go
 
     def _decide_optimizer(self) -> None:
         if self._out_of_time():

@@ -23,12 +23,15 @@ decided first, as registered (on the graphs they were scanned on: their reasons 
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Hashable, Sequence
 
 from torch.fx import GraphModule
 
 from rewriter.capture.ir import tensor_info
 from rewriter.decide.site_gate import original_ms
+
+log = logging.getLogger("rewriter.progress")
 
 
 def region_bytes(gm: GraphModule) -> int:
@@ -71,7 +74,7 @@ class HotFirst:
     def _hot_first(self: Any, passes: list[Any]) -> tuple[list[Any], list[Any]]:
         """(passes decided at once: not applicable or no sites; the others, hottest first)."""
         at_once, scanned, found = [], [], []
-        self._scanned = {}
+        self._scanned, self._scan_values = {}, None
         for p in passes:
             if p.applies_to(self.ctx) is not None:
                 at_once.append(p)
@@ -89,8 +92,13 @@ class HotFirst:
             self.ctx.declined.clear()
             scanned.append(p)
             found.append(None if regions is None else _one_per_signature(regions))
-        potential, touches = self._potentials(found)
-        self.snapshot.restore()  # the recording run: as every decision leaves the model
+        try:
+            potential, touches = self._potentials(found)
+        except Exception as e:  # noqa: BLE001 (an order is a saving of time, never a failure)
+            log.info("rewriter: passes measured as registered: %s: %s", type(e).__name__, e)
+            return at_once, scanned
+        finally:
+            self.snapshot.restore()  # the recording run: as every decision leaves the model
         return at_once, [scanned[k] for k in hot_first(list(range(len(scanned))), potential, touches)]
 
     def _potentials(self: Any, found: list[Any]) -> tuple[dict[int, float | None], dict[int, set[Any]]]:
@@ -102,9 +110,12 @@ class HotFirst:
             return {k: 0.0 for k in range(len(found))}, {k: set() for k in range(len(found))}
         firsts = [(slot, r) for groups in found if groups for _, slot, r, _ in groups]
         values = None
-        if firsts:
+        if firsts and not self._out_of_time():
             with self._phase("record"):
                 values = self._record(firsts)
+            # held for the decisions while the model runs as recorded (the first one's, at
+            # least): not recorded twice
+            self._scan_values = None if values is None else (self._runs_as(), values)
         for k, groups in enumerate(found):
             if groups is None:
                 potential[k], touches[k] = None, set()
@@ -118,9 +129,9 @@ class HotFirst:
                 continue
             with self._phase("measure"):
                 ms = 0.0
-                for sig, slot, r, calls in groups:
+                for key, slot, r, calls in groups:
                     once = original_ms(r, self._values(values, slot, r), self.job.training, clock=self.clock)
-                    self._scanned[sig] = once
+                    self._scanned[key] = once
                     ms += once * calls
             potential[k] = ms
         return potential, touches

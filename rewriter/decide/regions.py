@@ -319,7 +319,12 @@ class RegionDecisions:
 
     def _record(self, regions: list[tuple[GraphSlot, Region]]) -> dict[str, dict[str, Recorded]] | None:
         """One run of the model as it now runs, recording the boundary values of ``regions``
-        (None when a graph one of them is in did not run)."""
+        (None when a graph one of them is in did not run). The scan's recording of every pass's
+        regions (rewriter.decide.hot_first) serves while the model runs as it did then."""
+        scanned = getattr(self, "_scan_values", None)
+        if scanned is not None and scanned[0] == self._runs_as() and all(
+                n in scanned[1].get(slot.name, {}) for slot, r in regions for n in r.inputs):
+            return scanned[1]
         names: dict[str, set[str]] = defaultdict(set)
         for slot, r in regions:
             names[slot.name].update(r.inputs)
@@ -356,6 +361,10 @@ class RegionDecisions:
             if any(n not in values[slot.name] for n in r.inputs):
                 return None
         return values
+
+    def _runs_as(self) -> tuple:
+        """What the model runs as: the kept rewrites and a speculative precision."""
+        return tuple(id(kp) for kp in self.kept), bool(getattr(self, "_speculative", False))
 
     def _keep_regions(self, p: Pass, regions: list[tuple[GraphSlot, Region]], kept_sigs: set[str],
                       device: str, mode: str, precision: str | None) -> None:
