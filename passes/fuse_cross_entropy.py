@@ -31,8 +31,10 @@ smoothing, no deprecated ``size_average``/``reduce``, reduction ``mean`` or ``su
 the unfused ones up to fp32 rounding (the same log-softmax; the gradient's 1/count folded into
 the exponent). An all-ignored batch gives the unfused results: a NaN mean and zero gradients.
 Contract: exact. Devices: cpu, cuda, npu (aten ops only; the gate measures each).
-Under a regional compile the compiler gets the unfused loss (rewriter.decide.compile_gate's
-``COMPILER_DOES_ITSELF``): Inductor fuses the log-softmax and its backward its own way.
+Under a regional compile (rewriter.decide.set_aside) a block graph is compiled with the unfused
+loss (Inductor fuses the log-softmax and its backward its own way), and a graph outside the
+blocks that runs this loss (a causal LM's head) is not compiled: it runs this form, whose
+reused buffer Inductor's code does not have.
 """
 from __future__ import annotations
 

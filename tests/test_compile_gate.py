@@ -689,6 +689,40 @@ def test_only_the_rewrites_the_compiler_makes_itself_are_set_aside(monkeypatch):
     fast.restore()
 
 
+class _ReluHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) + 1.0
+
+
+def test_a_graph_outside_the_blocks_that_runs_a_set_aside_rewrite_stays_eager_with_it(monkeypatch):
+    """"a" is kept in the blocks and in the head: the block graph is compiled without it, the
+    head's graph is not compiled and runs "a" as measured (a causal LM's fused loss), so "a"
+    is not superseded."""
+    _compiler_makes_a_itself(monkeypatch)
+    model, x = _headed_stack()
+    model.head = _ReluHead()
+    with torch.no_grad():
+        want = model(x)
+    fake = GraphRecordingCompiler()
+    fast = _opt(model, (x,), ControlledClock({"a": 0.8, "compile": 0.7, "original": 0.5}), fake,
+                passes=[RewriteRelu("a")], regional=True, steps=100_000)
+    tried, = [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
+    assert tried.kept and tried.sites == ["fake"]  # nothing it sets aside stops running
+    assert {d.pass_name: d.status for d in fast.report.decisions if d.pass_name == "a"} == {"a": "kept"}
+    assert fast.report.kept_passes == ["a", "compile"]
+    # one graph compiled: the block's, with its own relu only; the head's never went
+    assert len(fake.graphs) == 1 and _relus(fake.graphs[0]) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), want)
+    head = next(s for s in fast.__dict__["_outcome"].capture.slots if s.block is None)
+    assert head.compiler is None and _relus(head.kept_run) == 2  # eager, a's relu in
+    fast.restore()
+
+
 def test_the_original_graphs_compiled_and_slower_leave_the_rewrite_kept(monkeypatch):
     _compiler_makes_a_itself(monkeypatch)
     model, x = _headed_stack()

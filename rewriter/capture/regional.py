@@ -35,6 +35,9 @@ from rewriter.capture.install import FLAG, hooks_of, install
 from rewriter.decide.verify import FUNCTIONAL_DROPOUTS, dropout_modules, dropout_modules_off
 
 
+EAGER = object()  # a compile source's answer for a graph that stays as it runs, uncompiled
+
+
 class RegionalCapture(DynamoCapture):
     """Regional capture: each repeated block class traced once, its graphs installed in every
     instance (rewriter.capture.install), and the rest of the model captured around them as the outer
@@ -102,12 +105,15 @@ class RegionalCapture(DynamoCapture):
         depth, and the head and the loss are compiled too: BERT's MLM head (its softmax over
         the vocabulary) is where the compiler gains on that model (see RegionalCompiled).
         ``source(slot)``: the graph to compile instead of what the slot keeps (some kept
-        rewrites set aside, ones the compiler makes itself; see rewriter.decide.compile_gate);
-        a graph handed over later gets what it keeps."""
+        rewrites set aside, ones the compiler makes itself; see rewriter.decide.set_aside), or
+        :data:`EAGER`: not compiled, it runs what it keeps; a graph handed over later gets what
+        it keeps."""
         self.graph_compiler = backend
         for s in self.slots:
-            s.compiler, s.compiled_form = backend, None
-            s.compile_source = source(s) if source is not None else None
+            src = source(s) if source is not None else None
+            # EAGER: the graph runs as it is kept, not compiled (rewriter.decide.set_aside)
+            s.compiler, s.compiled_form = (None if src is EAGER else backend), None
+            s.compile_source = None if src is EAGER else src
 
     @contextlib.contextmanager
     def engaged_in_thread(self) -> Iterator[None]:

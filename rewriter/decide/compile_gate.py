@@ -53,9 +53,9 @@ from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.amortize import DEFAULT_STEPS, MAX_SAVING, Payback, predict_compile_seconds
 from rewriter.decide.gate import Step, decide, known_verdict, measure, saved_ms
 from rewriter.decide.job import switched
-from rewriter.decide.kept import build
 from rewriter.decide.knowledge import entry_key
 from rewriter.decide.run_view import RunView
+from rewriter.decide.set_aside import compile_sources
 from rewriter.decide.verify import compare_runs, dropout_disabled, tolerance_for
 from rewriter.devices.compile_cache import cache_folder, is_warm, use_persistent_cache
 from rewriter.devices.isa_probes import start_vec_isa_probes
@@ -158,7 +158,8 @@ class CompileGate:
         """Under a regional capture (no kept bf16 precision to run as autocast), the kept graph rewrites
         ``ex`` makes itself (:data:`COMPILER_DOES_ITSELF`): the regional compile, the one
         candidate, is handed graphs built without them (with only the kept rewrites it cannot
-        make, item 3 of issue 31), and when it is kept they are superseded. Each form in a
+        make, item 3 of issue 31; a graph outside the blocks that runs one stays eager with it,
+        rewriter.decide.set_aside), and when it is kept they are superseded. Each form in a
         fresh process beside transformers' SDPA + fused AdamW, eager (`.diag` runs, 2-core Xeon
         without AMX, training): GPT-2 each layer compiled 1.09x with its eager attention and
         GELU, 1.07x with SDPA; LLaMA 1.09x / 1.05x."""
@@ -247,6 +248,7 @@ class CompileGate:
         """A compile candidate's name in the report: the executor, and which model it compiles."""
         if not original:
             aside = self._set_aside(ex)
+            aside = compile_sources(self.run, aside)[1] if aside else []  # what then runs nowhere
             if not aside:
                 return ex.name
             every = len(aside) == len(self.run.kept)  # nothing rewritten left: the original graphs
@@ -475,25 +477,17 @@ class CompileGate:
         try:
             with r._phase("compile"):
                 aside = self._set_aside(ex)
+                source, superseded = compile_sources(r, aside) if aside else (None, [])
                 runner = compiled_runner(r.job.model, r.cap if r.kept or blocks else None,
                                          ex.resolve(), r._on_new_graph,
                                          generation=r.job.generation is not None,
-                                         source=self._without(aside) if aside else None, set_aside=aside)
+                                         source=source, set_aside=superseded)
                 self._step(runner).run()
         except Exception as e:  # the backend raised: the eager graphs run
             return None, f"{ex.name} raised while compiling: {type(e).__name__}: {e}"
         finally:
             r.snapshot.restore()
         return runner, None
-
-    def _without(self, aside: list[str]) -> Callable[[Any], Any]:
-        """A slot's graph built from its original with the kept rewrites but ``aside``."""
-        r = self.run
-        rest = [kp for kp in r.kept if kp.name not in aside]
-
-        def source(slot: Any) -> Any:
-            return slot._run_form(build(slot.original, rest, r.ctx, slot.name))
-        return source
 
     def _step(self, runner: Callable[..., Any]) -> Step:
         """The composed step (rewrites kept, fused optimizer kept) with the compiled runner; for
@@ -552,7 +546,8 @@ class CompileGate:
         # a regional compile compiles every graph (before this form name, the blocks only)
         regional = isinstance(r.cap, RegionalCapture) and r.job.generation is None
         form = " (original)" if original else \
-            (" (regional" + (f", without {','.join(aside)}" if aside else "") + ")" if regional else "")
+            (" (regional" + (f", without {','.join(aside)}, eager outside" if aside else "") + ")"
+             if regional else "")
         text = "|".join([NAME, ex.name + form, r.job.backend.name,
                          r.job.mode, str(r.job.dtype), plans.graph_hash(graphs),
                          ",".join(plans.input_signature(r.job.args, r.job.kwargs)),
