@@ -67,13 +67,19 @@ def _gpt2_config(s: TransformerSize, attn: str) -> Any:
                                    attn_implementation=attn)
 
 
-def _bert_config(s: TransformerSize, attn: str) -> Any:
-    import transformers
-    return transformers.BertConfig(num_hidden_layers=s.layers, hidden_size=s.hidden,
-                                   num_attention_heads=s.heads, intermediate_size=4 * s.hidden,
-                                   vocab_size=s.vocab, max_position_embeddings=s.seq,
-                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                                   attn_implementation=attn)
+def _bert_style_config(config_class: str, extra_positions: int = 0) -> Callable[[TransformerSize, str], Any]:
+    """BERT's layout (RoBERTa's positions start after the padding index: two more)."""
+    def make(s: TransformerSize, attn: str) -> Any:
+        import transformers
+        return getattr(transformers, config_class)(
+            num_hidden_layers=s.layers, hidden_size=s.hidden, num_attention_heads=s.heads,
+            intermediate_size=4 * s.hidden, vocab_size=s.vocab,
+            max_position_embeddings=s.seq + extra_positions, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, attn_implementation=attn)
+    return make
+
+
+_bert_config = _bert_style_config("BertConfig")
 
 
 def _llama_style_config(config_class: str, **extra: Any) -> Callable[[TransformerSize, str], Any]:
@@ -102,16 +108,6 @@ def _distilbert_config(s: TransformerSize, attn: str) -> Any:
                                          attention_dropout=0.0, attn_implementation=attn)
 
 
-def _roberta_config(s: TransformerSize, attn: str) -> Any:
-    import transformers
-    # RoBERTa's positions start after the padding index: two more than the sequence
-    return transformers.RobertaConfig(num_hidden_layers=s.layers, hidden_size=s.hidden,
-                                      num_attention_heads=s.heads, intermediate_size=4 * s.hidden,
-                                      vocab_size=s.vocab, max_position_embeddings=s.seq + 2,
-                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                                      attn_implementation=attn)
-
-
 def _gpt_neox_config(s: TransformerSize, attn: str) -> Any:
     import transformers
     return transformers.GPTNeoXConfig(num_hidden_layers=s.layers, hidden_size=s.hidden,
@@ -131,7 +127,7 @@ _TRANSFORMERS = {"gpt2": ("GPT2LMHeadModel", _gpt2_config),
                  "phi3": ("Phi3ForCausalLM", _llama_style_config("Phi3Config", pad_token_id=0,
                                                                  bos_token_id=1, eos_token_id=2)),
                  "gpt_neox": ("GPTNeoXForCausalLM", _gpt_neox_config),
-                 "roberta": ("RobertaForMaskedLM", _roberta_config)}
+                 "roberta": ("RobertaForMaskedLM", _bert_style_config("RobertaConfig", 2))}
 
 
 def _transformer_case(name: str, size: str, training: bool, vocab: int | None = None,

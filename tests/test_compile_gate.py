@@ -574,12 +574,12 @@ def test_a_regional_model_with_nothing_rewritten_compiles_each_graph_once():
 class _Head(nn.Module):
     """A head of the model's own (its frame is captured around the blocks; torch.nn's is not)."""
 
-    def __init__(self):
+    def __init__(self, act=torch.tanh):
         super().__init__()
-        self.fc = nn.Linear(16, 4)
+        self.fc, self.act = nn.Linear(16, 4), act
 
     def forward(self, x):
-        return torch.tanh(self.fc(x)) + 1.0
+        return self.act(self.fc(x)) + 1.0
 
 
 def _headed_stack(n=3):
@@ -689,22 +689,13 @@ def test_only_the_rewrites_the_compiler_makes_itself_are_set_aside(monkeypatch):
     fast.restore()
 
 
-class _ReluHead(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return torch.relu(self.fc(x)) + 1.0
-
-
 def test_a_graph_outside_the_blocks_that_runs_a_set_aside_rewrite_stays_eager_with_it(monkeypatch):
     """"a" is kept in the blocks and in the head: the block graph is compiled without it, the
     head's graph is not compiled and runs "a" as measured (a causal LM's fused loss), so "a"
     is not superseded."""
     _compiler_makes_a_itself(monkeypatch)
     model, x = _headed_stack()
-    model.head = _ReluHead()
+    model.head = _Head(torch.relu)
     with torch.no_grad():
         want = model(x)
     fake = GraphRecordingCompiler()
