@@ -79,7 +79,9 @@ def optimize(
             else a fixed random cotangent on the outputs.
         dtype: ``torch.bfloat16``/``torch.float16`` allows precision-lowering (``reduced``)
             passes and verifies with that dtype's tolerance; None keeps fp32 numerics.
-        passes: names of registered passes or Pass objects to try, in order (default: all).
+        passes: names of registered passes or Pass objects to try, in order (default: all);
+            those with sites are measured hottest first, never past one they compose with
+            (rewriter.decide.hot_first).
         exclude: names of passes not to try.
         device: "cpu", "cuda", "npu" or a Backend; default: where the model's parameters are.
         min_speedup: the margin: a rewrite is kept when its region (or, for passes without a
