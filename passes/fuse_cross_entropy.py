@@ -130,6 +130,10 @@ class _Spares:
                 self.buffers[key] = spare, _storage_uses(spare)
             return spare[:n].view(like.shape)
 
+    def clear(self) -> None:
+        with self.lock:
+            self.buffers.clear()
+
 
 def _storage_uses(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
@@ -150,8 +154,7 @@ def gradient_buffer(logits: torch.Tensor) -> torch.Tensor:
 
 def release_buffers() -> None:
     """Free the CPU buffers kept between calls (they are freed once their last user is)."""
-    with _SPARES.lock:
-        _SPARES.buffers.clear()
+    _SPARES.clear()
 
 
 CHUNK_BYTES = 2 << 20  # CPU: a chunk of logits that stays in cache between its two passes

@@ -151,6 +151,10 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         self.run_is_short = False  # steps= shortened the time budget
         self.compiled: dict | None = None  # set by CompileGate when the compiled form is kept
         self.compile_plan: dict | None = None
+        # the pass scan's figures (rewriter.decide.hot_first): original regions' ms by scan key,
+        # and its recording, (what the model ran as, values), while deciding
+        self._scanned: dict[tuple, float] = {}
+        self._scan_values: tuple | None = None
 
     # --- the flow ----------------------------------------------------------------------------
     def execute(self) -> Outcome:
@@ -181,8 +185,7 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         self.report.blocks = rows
         if cap.lifted_for_good:
             pass  # the compiled original model runs, guarded against the class patches as they are
-        elif outcome.use_original or not (any(r["rewritten"] for r in rows) or outcome.blocks_compiled
-                                          or any(s.rewritten for s in cap.slots if s.block is None)):
+        elif outcome.use_original or not (any(s.rewritten for s in cap.slots) or outcome.blocks_compiled):
             cap.remove()
         else:
             cap.engage()

@@ -169,6 +169,12 @@ class CompileGate:
             return []
         return [kp.name for kp in r.kept if kp.name in COMPILER_DOES_ITSELF]
 
+    def _sources(self, ex: Executor) -> tuple[Callable[[Any], Any] | None, list[str]]:
+        """(what each graph's compile gets, None: what it keeps; the set-aside rewrites that then
+        run nowhere): rewriter.decide.set_aside."""
+        aside = self._set_aside(ex)
+        return compile_sources(self.run, aside) if aside else (None, [])
+
     def _regional_one_candidate(self) -> bool:
         """A regional capture, not a generation, no kept precision to run as autocast: the
         regional compile (every graph once, a block's for all its instances) is the one
@@ -247,8 +253,7 @@ class CompileGate:
     def _label(self, ex: Executor, original: bool) -> str:
         """A compile candidate's name in the report: the executor, and which model it compiles."""
         if not original:
-            aside = self._set_aside(ex)
-            aside = compile_sources(self.run, aside)[1] if aside else []  # what then runs nowhere
+            aside = self._sources(ex)[1]  # the set-aside rewrites that then run nowhere
             if not aside:
                 return ex.name
             every = len(aside) == len(self.run.kept)  # nothing rewritten left: the original graphs
@@ -476,8 +481,7 @@ class CompileGate:
             r.cap.remove()
         try:
             with r._phase("compile"):
-                aside = self._set_aside(ex)
-                source, superseded = compile_sources(r, aside) if aside else (None, [])
+                source, superseded = self._sources(ex)
                 runner = compiled_runner(r.job.model, r.cap if r.kept or blocks else None,
                                          ex.resolve(), r._on_new_graph,
                                          generation=r.job.generation is not None,

@@ -24,6 +24,7 @@ decided first, as registered (on the graphs they were scanned on: their reasons 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Hashable, Sequence
 
 from torch.fx import GraphModule
@@ -43,10 +44,7 @@ def region_bytes(gm: GraphModule) -> int:
         for v in (n, *n.all_input_nodes):
             info = tensor_info(v)
             if info is not None and all(isinstance(d, int) for d in info.shape):  # not symbolic
-                count = 1
-                for d in info.shape:
-                    count *= d
-                total += count * info.dtype.itemsize
+                total += math.prod(info.shape) * info.dtype.itemsize
     return total
 
 
@@ -139,7 +137,7 @@ class HotFirst:
     def _scanned_ms(self: Any, r: Any) -> float | None:
         """One call of region ``r``'s original, in ms, as the scan timed a region like it (the
         same pass, structure and boundary; at the precision it was captured in)."""
-        return getattr(self, "_scanned", {}).get(scan_key(r))
+        return self._scanned.get(scan_key(r))
 
 
 def scan_key(r: Any) -> tuple:

@@ -321,7 +321,7 @@ class RegionDecisions:
         """One run of the model as it now runs, recording the boundary values of ``regions``
         (None when a graph one of them is in did not run). The scan's recording of every pass's
         regions (rewriter.decide.hot_first) serves while the model runs as it did then."""
-        scanned = getattr(self, "_scan_values", None)
+        scanned = self._scan_values
         if scanned is not None and scanned[0] == self._runs_as() and all(
                 n in scanned[1].get(slot.name, {}) for slot, r in regions for n in r.inputs):
             return scanned[1]
