@@ -44,6 +44,16 @@ def side_by_side(eager: Callable[[], Any], config: Callable[[], Any],
                    clock=WallClock(), settings=settings)
 
 
+def step_faults(m: Measurement) -> dict[str, float] | None:
+    """Median host page faults a step, eager's and the configuration's (None where the host
+    does not count them): a step that maps fresh memory every time pays for each page, and how
+    often it does depends on the allocator's state in this process, not only on the model."""
+    if not m.baseline_faults or not m.candidate_faults:
+        return None
+    return {"eager": statistics.median(m.baseline_faults),
+            "config": statistics.median(m.candidate_faults)}
+
+
 def _discard(step: Callable[[], Any]) -> Callable[[], None]:
     def run() -> None:
         step()

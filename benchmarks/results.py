@@ -15,10 +15,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from benchmarks.measure import MEMORY_METHOD, isa_text
+from benchmarks.reading import reading_lines, unique as _unique
 
 MARKDOWN, JSON, CHART = "RESULTS.md", "results.json", "results.png"
-READING_PLACEHOLDER = ("_To be written by hand after the final default run: where optimize() "
-                       "wins, where it loses, and why._")
+READING_INTRO = ("Computed from the rows above (`benchmarks/reading.py`); a hand-written reading "
+                 "of a final run goes below it.")
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Row:
     decisions: list[dict] = field(default_factory=list)
     error: str | None = None
     times_ms: dict[str, list[float]] = field(default_factory=dict)  # {"eager": [...], "config": [...]}
+    faults: dict[str, float] | None = None  # median host page faults a step: {"eager", "config"}
 
 
 @dataclass
@@ -104,7 +106,7 @@ def to_markdown(results: Results, chart_name: str | None = None) -> str:
             lines += ["", f"## {MODES[mode]}: details"]
             for model in _unique(r.model for r in rows):
                 lines += ["", *_model_section(results, mode, model, [r for r in rows if r.model == model])]
-    lines += ["", "## Reading", "", READING_PLACEHOLDER]
+    lines += ["", "## Reading", "", READING_INTRO, "", *reading_lines(results.rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -123,6 +125,10 @@ def _method_lines(results: Results) -> list[str]:
         "a second eager copy: its distance from 1.00 is the noise floor.",
         "- **step ms**: the configuration's median step; **spread**: the interquartile range of "
         "its steps; **eager ms**: eager's median in the same comparison.",
+        "- **page faults a step**: the host's page faults during a step (median), eager -> the "
+        "configuration, in the same comparison: a step that maps fresh memory pays for every "
+        "page, and whether it does depends on the allocator's state in this process as well as "
+        "on the model.",
         f"- **peak MB**: {MEMORY_METHOD}.",
         "- **optimize s**: wall time of the `optimize()` call (it measures every rewrite it tries; "
         f"default settings{', profile off, few pairs' if s.get('quick') else ''}; in brackets, the "
@@ -162,6 +168,13 @@ def _speedup(r: Row) -> str:
     return f"{r.speedup:.2f}x ±{r.noise:.2f}" if r.noise is not None else f"{r.speedup:.2f}x"
 
 
+def _faults(r: Row) -> str:
+    """Eager's and the configuration's median page faults a step, as ``eager -> config``."""
+    if not r.faults:
+        return "-"
+    return f"{r.faults['eager']:.0f} -> {r.faults['config']:.0f}"
+
+
 def _optimize_s(r: Row) -> str:
     """optimize()'s wall time, and how much of it was profiling (the issue's figures leave
     profiling aside)."""
@@ -175,15 +188,15 @@ def _model_section(results: Results, mode: str, model: str, rows: list[Row]) -> 
     about = (f"{info['description']}. Expert form: {info['expert']}." if "description" in info
              else "Not built (see the rows).")
     lines = [f"### {model}", "", f"{about} Rows took {info.get('seconds', 0):.0f} s.", "",
-             "| config | step ms | spread ms | eager ms | speedup | peak MB | optimize s | first step s | rel. error | notes |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| config | step ms | spread ms | eager ms | speedup | page faults a step | peak MB | optimize s | first step s | rel. error | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.error:
-            lines.append(f"| {r.label} | - | - | - | - | - | {_num(r.optimize_s, '.1f')} | - | - | "
+            lines.append(f"| {r.label} | - | - | - | - | - | - | {_num(r.optimize_s, '.1f')} | - | - | "
                          f"**failed**: {_cell(r.error)} |")
             continue
         lines.append(f"| {r.label} | {_num(r.step_ms, '.3g')} | {_num(r.spread_ms, '.2g')} | "
-                     f"{_num(r.eager_ms, '.3g')} | {_speedup(r)} | {_num(r.peak_mb, '.1f')} | "
+                     f"{_num(r.eager_ms, '.3g')} | {_speedup(r)} | {_faults(r)} | {_num(r.peak_mb, '.1f')} | "
                      f"{_optimize_s(r)} | {_num(r.first_step_s, '.2f')} | "
                      f"{_num(r.rel_error, '.1e')} | {_cell('; '.join(r.notes))} |")
     for r in rows:
@@ -216,14 +229,6 @@ def _num(x: float | None, fmt: str) -> str:
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _unique(items: Any) -> list:
-    seen: list = []
-    for item in items:
-        if item not in seen:
-            seen.append(item)
-    return seen
 
 
 # --- chart ---------------------------------------------------------------------------------

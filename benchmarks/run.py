@@ -40,6 +40,7 @@ from benchmarks.measure import (
     BENCH_GATE,
     QUICK_GATE,
     load_average,
+    step_faults,
     machine_info,
     output_tensor,
     peak_memory_mb,
@@ -185,8 +186,11 @@ def run_config(config: Config, setup: Setup, mode: str, eager_step: Callable[[],
         row.spread_ms = spread_ms(m.candidate_times)
         row.times_ms = {"eager": [1e3 * t for t in m.baseline_times],
                         "config": [1e3 * t for t in m.candidate_times]}
+        row.faults = step_faults(m)
+        faults = (f"; page faults a step {row.faults['eager']:.0f} -> {row.faults['config']:.0f}"
+                  if row.faults else "")
         _progress(f"{where}: {m.speedup:.2f}x ±{m.noise:.2f} over {m.pairs} pairs "
-                  f"({m.baseline_ms:.1f} -> {m.candidate_ms:.1f} ms)")
+                  f"({m.baseline_ms:.1f} -> {m.candidate_ms:.1f} ms{faults})")
     except Exception as e:
         row.error = _error_text(e)
         _progress(f"{where}: FAILED: {row.error}")

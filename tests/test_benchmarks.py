@@ -14,6 +14,7 @@ from benchmarks.configs import Config, Setup
 from benchmarks.measure import QUICK_GATE
 from benchmarks.models import build_case
 from benchmarks.results import CHART, JSON, MARKDOWN
+from rewriter.decide.gate import host_page_faults
 from rewriter.decide.knowledge import KnowledgeBase
 
 pytest.importorskip("transformers")
@@ -40,6 +41,8 @@ def test_every_row_ran(quick_run):
     for r in rows:
         assert r["speedup"] > 0 and r["pairs"] >= 3 and r["step_ms"] > 0 and r["eager_ms"] > 0
         assert r["first_step_s"] > 0 and r["peak_mb"] is not None
+        if host_page_faults() is not None:  # counted where the host counts them (Linux)
+            assert set(r["faults"]) == {"eager", "config"} and min(r["faults"].values()) >= 0
 
 
 def test_numerics_against_eager(quick_run):
@@ -64,6 +67,9 @@ def test_markdown_has_machine_tables_and_reading(quick_run):
         assert f"### {model}" in md
     for label in ("eager fp32", "optimize()", "expert", "expert + autocast bf16"):
         assert f"| {label} |" in md
+    assert "| page faults a step |" in md
+    # the computed reading: each configuration's geomean, optimize() against the best peer
+    assert "geometric mean over 2 model(s)" in md and "optimize() against the best peer" in md
 
 
 def test_the_run_says_which_knowledge_base_optimize_read(quick_run, tmp_path, monkeypatch,
