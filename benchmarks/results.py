@@ -128,7 +128,7 @@ def _method_lines(results: Results) -> list[str]:
         "- **page faults a step**: the host's page faults during a step (median), eager -> the "
         "configuration, in the same comparison: a step that maps fresh memory pays for every "
         "page, and whether it does depends on the allocator's state in this process as well as "
-        "on the model.",
+        f"on the model. Host allocator: {s.get('host_memory', 'not recorded')}.",
         f"- **peak MB**: {MEMORY_METHOD}.",
         "- **optimize s**: wall time of the `optimize()` call (it measures every rewrite it tries; "
         f"default settings{', profile off, few pairs' if s.get('quick') else ''}; in brackets, the "

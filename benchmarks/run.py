@@ -69,6 +69,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="train: forward, loss, backward, AdamW step (default); infer: forward; both")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes and few pairs: checks the script runs, measures nothing useful")
+    p.add_argument("--keep-host-memory", action="store_true",
+                   help="rewriter.keep_freed_host_memory() first: freed host memory stays with the "
+                        "process, so no configuration (eager included) maps fresh pages each step")
     p.add_argument("--out", required=True, help="directory for RESULTS.md, results.json, results.png")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="optimize()'s progress lines, and tracebacks of failing configurations")
@@ -104,10 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     started = time.perf_counter()
     gate = QUICK_GATE if args.quick else BENCH_GATE
+    host_memory = str(rewriter.keep_freed_host_memory()) if args.keep_host_memory else "the process's default"
     results = Results(command="python -m benchmarks.run " + " ".join(argv), machine=machine_info(),
                       settings={"models": args.models, "configs": args.configs, "mode": args.mode,
                                 "passes": args.passes or "all registered", "quick": args.quick,
-                                "gate": asdict(gate), "knowledge_base": _knowledge_base_state()})
+                                "gate": asdict(gate), "knowledge_base": _knowledge_base_state(),
+                                "host_memory": host_memory})
     compiles = any("compile" in c for c in args.configs)
     try:
         with _fresh_inductor_cache(compiles):

@@ -10,6 +10,7 @@ from rewriter.decide.gate import GateSettings
 from rewriter.devices import amp
 from rewriter.devices.backends import Backend, get_backend
 from rewriter.devices.host import bind_cores
+from rewriter.devices.host_memory import keep_freed_host_memory
 from rewriter.devices.optimizers import clip_grad_norm_, zero_grad
 from rewriter.errors import (
     CaptureError,
@@ -34,7 +35,7 @@ __all__ = [
     # the gradient step and mixed precision (amp.register_half_function, ...)
     "clip_grad_norm_", "zero_grad", "amp",
     # devices and measuring
-    "Backend", "get_backend", "GateSettings", "bind_cores",
+    "Backend", "get_backend", "GateSettings", "bind_cores", "keep_freed_host_memory",
     # errors
     "RewriterError", "CaptureError", "PassError", "PlanError", "VerificationError",
 ]

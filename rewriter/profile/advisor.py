@@ -284,10 +284,11 @@ def _page_faults(v: _View, s: AdvisorSettings) -> Finding | None:
               "size mapped on its own; or MALLOC_MMAP_THRESHOLD_ above the largest tensor's bytes, "
               "where the release does not cap it at 32 MiB) and MALLOC_TRIM_THRESHOLD_ above the "
               "step's peak bytes (the freed heap kept), both: either alone leaves faults (check "
-              "they drop), or with jemalloc or tcmalloc preloaded (LD_PRELOAD).")
+              "they drop), or with jemalloc or tcmalloc preloaded (LD_PRELOAD); in a running "
+              "process, rewriter.keep_freed_host_memory() sets the same (glibc, up to 2 GiB kept).")
     return Finding("page_faults", "Memory mapped afresh every step", detail, (),
                    outside="the process's allocator settings; optimize() does not change a "
-                           "running process's allocator")
+                           "running process's allocator unasked")
 
 
 def _matmul_dims(name: str, sig: tuple) -> tuple[int, ...]:

@@ -1,0 +1,72 @@
+"""rewriter.keep_freed_host_memory: a step's large tensors stop landing on fresh pages.
+
+The setting is the whole process's, so each check runs in a child process of its own.
+"""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rewriter.devices.host_memory import INT_MAX, keep_freed_host_memory
+
+try:
+    from rewriter.devices.host_memory import _glibc
+    _glibc()
+    GLIBC = True
+except RuntimeError:
+    GLIBC = False
+
+# 64 MiB tensors touched twice after a warm-up: above glibc's largest adaptive mmap threshold
+# (32 MiB), so by default each is mapped afresh and every page faults (2 x 16384).
+CHILD = textwrap.dedent("""
+    import json, resource, sys, torch
+    import rewriter
+    def faults():
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_minflt + r.ru_majflt
+    def touch():
+        t = torch.ones(16 << 20)
+        del t
+    def two():
+        touch(); touch()
+        f0 = faults(); touch(); touch()
+        return faults() - f0
+    def resident_bytes():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    out = {"default": two()}
+    setting = rewriter.keep_freed_host_memory()
+    # the least of a few rounds: another allocation may take part of the kept block once,
+    # and the next 64 MiB then extends the heap (fresh pages, once)
+    out["kept"], out["said"] = min(two() for _ in range(5)), str(setting)
+    before = resident_bytes()
+    setting.undo()
+    out["handed_back"] = before - resident_bytes()
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc malloc only (Linux)")
+def test_kept_memory_is_reused_without_faults_and_undo_hands_it_back():
+    r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    pages = 2 * (64 << 20) // 4096
+    assert out["default"] >= pages // 2, out   # mapped afresh each time
+    assert out["kept"] < pages // 20, out       # the heap's pages, reused
+    assert out["handed_back"] >= 32 << 20, out  # undo: the kept 64 MiB leaves the process
+    assert "M_MMAP_MAX=0" in out["said"] and "2.0 GiB" in out["said"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, INT_MAX + 1, 1.5, True, "2G"])
+def test_keep_bytes_out_of_range_is_refused_before_anything_is_set(bad):
+    with pytest.raises(ValueError, match="keep_bytes"):
+        keep_freed_host_memory(bad)
+
+
+def test_not_glibc_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(RuntimeError, match="glibc.*jemalloc or tcmalloc"):
+        keep_freed_host_memory()
