@@ -45,9 +45,10 @@ def reading_lines(rows: Iterable[RowLike]) -> list[str]:
                      f"model(s): " + ", ".join(means) + ".")
         peers = [c for c, _ in configs if not c.startswith("optimize")]
         for config, label in configs:
-            if config.startswith("optimize") and peers:
+            standing = _standing(mine, config, peers, models) if config.startswith("optimize") else []
+            if standing:
                 lines.append(f"- {label} against the best peer on each model: "
-                             + "; ".join(_standing(mine, config, peers, models)) + ".")
+                             + "; ".join(standing) + ".")
     return lines or ["- No row was measured."]
 
 

@@ -39,6 +39,8 @@ def test_failed_rows_and_missing_models_are_said():
     assert "optimize 1.30x (1 of 2)" in lines[0]
     assert "b " not in lines[1]
     assert reading_lines([]) == ["- No row was measured."]
+    only_ours = reading_lines([_row("a", "optimize", 1.3)])
+    assert len(only_ours) == 1  # no peer measured: no standing line
 
 
 @pytest.mark.parametrize("values", [[1.0], [2.0, 0.5], [1.1, 1.2, 1.3]])
