@@ -70,3 +70,40 @@ def test_not_glibc_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
     with pytest.raises(RuntimeError, match="glibc.*jemalloc or tcmalloc"):
         keep_freed_host_memory()
+
+
+# --- the report's note, from the whole-step check's page faults (controlled clock) ----------
+
+def _optimized_with_faults(original_faults):
+    import torch
+
+    import rewriter
+    from tests.controlled import QUICK, ControlledClock, RewriteRelu
+    from tests.models import Blocks
+
+    def faults(call, step):  # the original whole step maps fresh pages; nothing else does
+        return original_faults if step.scope == "step" and not step.passes else 3
+
+    torch.manual_seed(0)
+    clock = ControlledClock({"a": 0.5}, faults=faults)
+    return rewriter.optimize(Blocks(n=2).eval(), (torch.randn(8, 16),), passes=[RewriteRelu("a")],
+                             clock=clock, gate=QUICK, knowledge_base=False, compile=False,
+                             profile=False, progress=False)
+
+
+def test_a_step_that_maps_fresh_pages_gets_a_note_naming_the_switch():
+    fast = _optimized_with_faults(9000)
+    notes = [n for n in fast.report.notes if n.startswith("host memory:")]
+    assert len(notes) == 1
+    assert "maps 9000 fresh pages a step" in notes[0] and "the optimized step 3" in notes[0]
+    assert "rewriter.keep_freed_host_memory()" in notes[0]
+    assert "host memory:" in str(fast.report)  # the printed report carries it
+
+
+def test_no_note_under_the_threshold_or_where_faults_are_not_counted():
+    from rewriter.devices.host_memory import FRESH_PAGES_WORTH_A_NOTE, fresh_pages_note
+    fast = _optimized_with_faults(FRESH_PAGES_WORTH_A_NOTE - 1)
+    assert not [n for n in fast.report.notes if n.startswith("host memory:")]
+    assert fresh_pages_note([], [0, 0]) is None  # a host that does not count them
+    assert fresh_pages_note([9000, 10, 9000], [0, 0, 0]) is not None  # the median decides
+    assert fresh_pages_note([9000, 10, 10], [0, 0, 0]) is None

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from rewriter.decide.gate import GateSettings, Measurement, clear_of_one, figure, measure
 from rewriter.decide.run_view import RunView
+from rewriter.devices.host_memory import fresh_pages_note
 
 
 @dataclass
@@ -103,6 +104,9 @@ def _confirm(self: Confirmation) -> bool:
     final = {"measurement": m.to_dict(), "speedup": m.speedup, "noise": m.noise,
              "predicted_saving_ms": round(predicted, 4), "step_ms": m.baseline_ms,
              "reverted": list(self.reverted)}
+    note = fresh_pages_note(m.baseline_faults, m.candidate_faults)
+    if note:
+        r.report.notes.append(note)
     if not r.kept and r.fused_opt is None:
         final.update(kept=False, reason=f"the composed step was slower ({figure(first)}); every kept "
                      f"decision was reverted ({', '.join(self.reverted)})")

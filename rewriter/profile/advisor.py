@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from rewriter.devices.backends import get_backend
+from rewriter.devices.host_memory import FRESH_PAGES_WORTH_A_NOTE
 from rewriter.profile.op_analysis import OpAnalysis
 from rewriter.profile.roofline import RooflineRow, describe_origins
 from rewriter.profile.rows import KernelRow, OpRow, ProfileLike, is_profile
@@ -66,9 +67,8 @@ class AdvisorSettings:
     matmul_alignment: int | None = None  # None: the profiled device's (NPU 16, CUDA 8; CPU 16, gated)
     matmul_share: float = 0.01
     transposed_share: float = 0.05  # GEMM time at a line with a transposed operand
-    # page faults in every step worth a finding (each a page mapped afresh, 4 KiB on x86; one
-    # cost ~3 us on a 2-core EPYC, so 5000 is ~15 ms)
-    page_faults: int = 5000
+    # page faults in every step worth a finding (rewriter.devices.host_memory)
+    page_faults: int = FRESH_PAGES_WORTH_A_NOTE
 
 
 @dataclass(frozen=True)
