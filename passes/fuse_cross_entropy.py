@@ -17,7 +17,7 @@ enough to stay in cache (CPU; elsewhere one chunk): the log-softmax into the gra
 log count)`` in place (an ignored row's shift is +inf, so its row is 0), and the target's
 -1/count scattered in. Backward returns that tensor, scaled in place when the incoming gradient
 is not 1. On CPU the tensor is one kept between calls while nothing else holds it
-(:class:`_Spares`): mapped afresh at each call, its pages cost as much as the loss itself.
+(:mod:`rewriter.devices.kept_buffers`): mapped afresh at each call, its pages cost as much as the loss itself.
 The cross-entropy of 1024 x 8000 fp32 logits, forward + backward, side by side (``python -m
 benchmarks.cross_entropy``, 2-core Xeon without AMX): 1.5-1.9x over two runs, F.cross_entropy
 taking 6-20 ms as its tensors land on warm heap or fresh pages, this form 5.5-5.7 ms; at
@@ -39,7 +39,6 @@ reused buffer Inductor's code does not have.
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
 
 import torch
@@ -49,6 +48,7 @@ from torch.fx import GraphModule, Node
 
 from rewriter.capture.ir import arg, call_arguments, mark_new_node, static_number, tensor_info
 from rewriter.devices import amp
+from rewriter.devices.kept_buffers import KeptBuffers, can_keep
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 
@@ -105,51 +105,21 @@ class CrossEntropyGradInForward(torch.autograd.Function):
         return grad, None, None, None
 
 
-class _Spares:
-    """On CPU, one [tokens, classes] buffer per dtype kept between calls and handed out again
-    while nothing else holds its storage. A fresh one above glibc's largest mmap threshold
-    (32 MiB) is mapped anew at every call and faults in every page: 1024 x 32000 fp32 logits,
-    forward + backward, side by side (`.diag` script, 2-core Xeon without AMX): 56 ms with a
-    fresh buffer, 28.5 ms reused (32 000 page faults a call, then none); at 1024 x 8000 the
-    same 5 ms, but a fresh buffer took 12 ms in one run of two, as glibc's heap held it or not.
-    What is kept is what a step needs anyway (a caching allocator's block): at most twice the
-    current size, per dtype; :func:`release_buffers` frees it."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, int]] = {}
-        self.lock = threading.Lock()
-
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        n, key = like.numel(), (like.dtype, like.device)
-        with self.lock:
-            spare, idle = self.buffers.get(key, (None, 0))
-            if spare is None or not n <= spare.numel() <= 2 * n or _storage_uses(spare) > idle:
-                # none yet, the wrong size, or still held (a graph not yet backpropagated, a
-                # gradient kept): a new one, and the old one is freed with its last holder
-                spare = torch.empty(n, dtype=like.dtype, device=like.device)
-                self.buffers[key] = spare, _storage_uses(spare)
-            return spare[:n].view(like.shape)
-
-    def clear(self) -> None:
-        with self.lock:
-            self.buffers.clear()
-
-
-def _storage_uses(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-_SPARES = _Spares()
+# One per dtype: the buffer is saved for backward, so a step's is free by the next forward.
+# 1024 x 32000 fp32 logits, forward + backward, side by side (`.diag` script, 2-core Xeon
+# without AMX): 56 ms with a fresh buffer, 28.5 ms reused (32 000 page faults a call, then
+# none); at 1024 x 8000 the same 5 ms, but a fresh buffer took 12 ms in one run of two, as
+# glibc's heap held it or not.
+_SPARES = KeptBuffers(slots=1)
 
 
 def gradient_buffer(logits: torch.Tensor) -> torch.Tensor:
     """An uninitialized contiguous tensor the shape of ``logits``: on CPU a kept one
-    (:class:`_Spares`), elsewhere (a caching allocator reuses memory already) or while
+    (``_SPARES``), elsewhere (a caching allocator reuses memory already) or while
     compiling, a new one."""
-    if (logits.device.type != "cpu" or torch.compiler.is_compiling()
-            or not hasattr(torch._C, "_storage_Use_Count")):
+    if logits.device.type != "cpu" or torch.compiler.is_compiling() or not can_keep():
         return torch.empty_like(logits, memory_format=torch.contiguous_format)
-    return _SPARES.take(logits)
+    return _SPARES.take(logits.shape, logits.dtype, logits.device)
 
 
 def release_buffers() -> None:

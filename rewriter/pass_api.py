@@ -84,6 +84,10 @@ class Pass:
     # May set an output the caller could read to None (fuse_linear_cross_entropy: the returned
     # logits), only under objective="memory"; verification then skips outputs that became None.
     drops_outputs: ClassVar[bool] = False
+    # The most of its regions' time this pass can save, as a share: the passes are measured
+    # hottest first (rewriter.decide.hot_first) by their regions' time times this. 1: the
+    # region can vanish; reuse_linear_output keeps its GEMM and saves only the fresh pages.
+    saves_at_most: ClassVar[float] = 1.0
 
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
         raise NotImplementedError(f"{type(self).__name__}.find")

@@ -114,3 +114,16 @@ def test_optimize_measures_the_hottest_pass_first_and_reports_in_the_registered_
     assert all(d.kept for d in fast.report.decisions[:2])
     measured = [s[0] for s in clock.seen if len(s) == 1 and s[0] in ("cool", "hot")]
     assert measured[0] == "hot" and "cool" in measured
+
+
+def test_a_pass_that_can_save_only_a_share_of_its_regions_is_weighed_by_that_share():
+    # the softmax's region is ~10 000 times the tanh's, but its pass can save at most 1e-6 of it
+    small, large = torch.randn(4, 4), torch.randn(512, 2048)
+    clock = OriginalsOnTheWall({"cool": 0.5, "hot": 0.5})
+    hot = Replace("hot", F.softmax)
+    hot.saves_at_most = 1e-6  # an instance attribute over the class's 1.0
+    rewriter.optimize(SmallThenLarge(), (small, large), passes=[Replace("cool", torch.tanh), hot],
+                      clock=clock, gate=dataclasses.replace(QUICK, negligible=0.0),
+                      profile=False, progress=False, knowledge_base=False)
+    measured = [s[0] for s in clock.seen if len(s) == 1 and s[0] in ("cool", "hot")]
+    assert measured[0] == "cool" and "hot" in measured

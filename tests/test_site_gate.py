@@ -726,3 +726,14 @@ def test_a_region_computing_under_the_bf16_overlay_is_held_to_bf16s_tolerance():
     # the precision applies to the overlay's forms only: the region's own stays at fp32's bound
     assert not verify_region(SimpleNamespace(before=before, after=after), values, training=False,
                              precision=torch.bfloat16).ok
+
+
+def test_past_the_budget_a_region_is_not_verified_either(blocks):
+    # `b` computes the wrong numbers: verified, it would fail; past the budget it is not reached,
+    # and its float64 verification (seconds for an LM head's region) is not paid
+    model, x = blocks
+    clock = ControlledClock({"a": 0.5, "b": 0.5})
+    fast = _opt(model, (x,), [SlowFind("a"), RewriteRelu("b", shift=1.0)], clock, time_budget=0.3)
+    b = _decision(fast, "b")
+    assert b.status == "not reached" and "time budget" in b.reason
+    assert all(r["status"] == "not reached" and r.get("max_abs_error") is None for r in b.regions)

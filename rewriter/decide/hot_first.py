@@ -9,8 +9,9 @@ stake can spend it first: a LLaMA-style model with a 32 000-word vocabulary, ``s
 used the budget, and the loss (115 ms, 3.4x when measured) was "not reached" in one run of two.
 So every pass's sites are found first (cheap), the boundary values of all their regions are
 recorded in one run, and one call of each original region (the fastest of three, one region per
-signature) times the calls a step makes of it is what the pass can act on; the passes are
-measured in that order, largest first::
+signature) times the calls a step makes of it, times the share of it the pass can save at most
+(``Pass.saves_at_most``: 1 unless its replacement keeps the region's main work), is what the
+pass can act on; the passes are measured in that order, largest first::
 
     order = hot_first(keys, potential, touches)
 
@@ -92,6 +93,8 @@ class HotFirst:
             found.append(None if regions is None else _one_per_signature(regions))
         try:
             potential, touches = self._potentials(found)
+            potential = {k: None if v is None else v * scanned[k].saves_at_most
+                         for k, v in potential.items()}
         except Exception as e:  # noqa: BLE001 (an order is a saving of time, never a failure)
             log.info("rewriter: passes measured as registered: %s: %s", type(e).__name__, e)
             return at_once, scanned

@@ -173,6 +173,11 @@ class RegionDecisions:
         first = members[0][1]
         first_values = self._values(values, members[0][0], first)
         row = _row_head(sig, members, dtype_of_region([v.value for v in first_values]))
+        if known is None and self._out_of_time():
+            # before verifying: a float64 run of a large region (an LM head's) costs seconds
+            # the decisions still to come would spend better
+            row.update(status="not reached", reason="the time budget ran out before measuring it")
+            return row
         with self._phase("verify"):
             worst = Comparison(True)
             sample = _verify_sample(members)

@@ -1,0 +1,144 @@
+"""reuse_linear_output: on CPU, a Linear whose output is above glibc's mmap ceiling (32 MiB;
+most often the LM head's logits) written into a buffer kept between calls.
+
+A rule table (``rewriter.rules``; ``w`` 2-D (out, in), ``b`` 1-D (out,) or absent)::
+
+    F.linear(x, w, b)   ->  kept_linear(x, w, b)        (x.numel() / in * out * itemsize >= 32 MiB)
+    F.linear(x, w)      ->  kept_linear(x, w)
+
+glibc maps a block above its largest adaptive mmap threshold (32 MiB on 64-bit) afresh at every
+allocation, and the kernel zeroes each page at first touch; the logits of a language model are
+such a block at every step (1024 tokens x 32 000 words in fp32: 131 MB, 32 000 pages). One
+[1024, 32 000] fp32 matmul output, 2-core Xeon without AMX (``.diag/logits_buf.py``): 76 ms on
+fresh pages, 53 ms on kept ones. ``kept_linear`` runs the GEMM F.linear runs (``addmm``/``mm``
+with ``out=``) into a buffer of :mod:`rewriter.devices.kept_buffers`: two per dtype, since the
+caller's previous output (last step's ``out.logits``) is still alive during the next forward,
+each handed out again only when nothing else holds its storage (the caller, a view, a graph
+that saved it). Backward is F.linear's: ``grad @ w``, ``grad.T @ x``, ``grad.sum(0)`` from the
+saved input and weight. What is kept is two outputs' worth of memory between steps, what a
+caching allocator keeps; :func:`release_buffers` frees them. With freed host memory kept by
+the process (``rewriter.keep_freed_host_memory()``) there is nothing left to save, and the
+gate measures that.
+
+Safe when: CPU; ``w`` 2-D of ``x``'s width and floating dtype, ``b`` 1-D of ``w``'s rows (or
+absent); the output at least 32 MiB (below it glibc's heap often serves a warm block). Under
+torch.compile the function runs F.linear (the buffer is the compiler's to plan).
+Contract: exact (the same GEMM, the same backward GEMMs).
+Devices: cpu.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rewriter.devices.kept_buffers import MMAP_CEILING, KeptBuffers, can_keep
+from rewriter.pass_api import register_pass
+from rewriter.rules import Match, Rule, RulePass
+
+# two per dtype: the output a caller still holds from the step before, and this step's
+_OUTPUTS = KeptBuffers(slots=2)
+
+
+class _KeptLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _into_kept(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = g.mm(weight).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            gw = g.t().mm(x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g.sum(0)
+        return gx, gw, gb
+
+
+def _into_kept(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = _OUTPUTS.take((*x.shape[:-1], weight.shape[0]), x.dtype, x.device)
+    rows = out.view(-1, weight.shape[0])  # written through; ``out`` itself is not a view
+    if bias is None:
+        torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out=rows)
+    else:
+        torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t(), out=rows)
+    return out
+
+
+def kept_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, its output in a buffer kept between calls (CPU)."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or not can_keep():
+        return F.linear(x, weight, bias)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias))
+    return _KeptLinear.apply(x, weight, bias) if needs_grad else _into_kept(x, weight, bias)
+
+
+def release_buffers() -> None:
+    """Free the outputs kept between calls (each once its last holder lets go)."""
+    _OUTPUTS.clear()
+
+
+def linear_bias_pattern(x, w, b):
+    return F.linear(x, w, b)
+
+
+def linear_pattern(x, w):
+    return F.linear(x, w)
+
+
+def output_bytes(m: Match) -> int | None:
+    xi, wi = m.info("x"), m.info("w")
+    if xi is None or wi is None or xi.ndim < 1 or wi.ndim != 2:
+        return None
+    return math.prod(xi.shape[:-1]) * wi.shape[0] * torch.empty((), dtype=xi.dtype).element_size()
+
+
+def is_large_linear(m: Match) -> bool:
+    """A floating ``x`` of ``w``'s width and dtype (a ``b`` of its rows), output >= 32 MiB."""
+    xi, wi = m.info("x"), m.info("w")
+    if xi is None or wi is None or wi.ndim != 2 or xi.shape[-1] != wi.shape[1]:
+        return False
+    if xi.dtype != wi.dtype or not xi.dtype.is_floating_point:
+        return False
+    if "b" in m.values:
+        b = m.info("b")
+        if b is None or b.shape != (wi.shape[0],) or b.dtype != wi.dtype:
+            return False
+    return (output_bytes(m) or 0) >= MMAP_CEILING
+
+
+def _kept(g, m: Match, ctx):
+    return g.call_function(kept_linear, (m["x"], m["w"]) + ((m["b"],) if "b" in m.values else ()))
+
+
+def _describe(m: Match) -> str:
+    out, inp = m.info("w").shape
+    return f"linear {inp}->{out}, {output_bytes(m) / 2**20:.0f} MiB out"
+
+
+RULES = (  # with the bias first: it claims the call before the bare rule can
+    Rule("kept_linear", linear_bias_pattern, _kept, (is_large_linear,), describe=_describe),
+    Rule("kept_linear", linear_pattern, _kept, (is_large_linear,), describe=_describe),
+)
+
+
+class ReuseLinearOutput(RulePass):
+    name = "reuse_linear_output"
+    contract = "exact"
+    devices = frozenset({"cpu"})
+    rules = RULES
+    # the GEMM stays: fresh pages are about a third of it (76 ms -> 53 ms above), so a short
+    # run's budget goes to passes that can save more of their regions first
+    saves_at_most = 0.35
+
+
+register_pass(ReuseLinearOutput())
