@@ -7,7 +7,7 @@ each page on first touch. How often that happens depends on the process's histor
 same step moves from run to run: LLaMA with a 32 000-word vocabulary, training, 2-core Xeon,
 eager 120 000-170 000 page faults a step; one [1024, 32 000] fp32 matmul output 76 ms on fresh
 pages, 53 ms on kept ones (``.diag/logits_buf.py``). ``optimize()`` keeps the buffers of its own
-kernels (the fused loss's gradient); the rest belongs to the process's allocator, which
+kernels (the fused loss's gradient, a large Linear's output: ``reuse_linear_output``); the rest belongs to the process's allocator, which
 ``optimize()`` never changes on its own: this is the user's switch, for the whole process::
 
     setting = rewriter.keep_freed_host_memory()   # once, at the start of training
