@@ -737,3 +737,29 @@ def test_past_the_budget_a_region_is_not_verified_either(blocks):
     b = _decision(fast, "b")
     assert b.status == "not reached" and "time budget" in b.reason
     assert all(r["status"] == "not reached" and r.get("max_abs_error") is None for r in b.regions)
+
+
+class _ListClock:
+    """Hands out the given sample times in order; counts them."""
+
+    def __init__(self, times):
+        self.times, self.taken = list(times), 0
+
+    def time(self, step):
+        self.taken += 1
+        return self.times.pop(0)
+
+
+class _NoCall:
+    def run(self):
+        pass
+
+
+def test_a_long_original_region_is_timed_once_a_short_one_the_fastest_of_three():
+    from rewriter.decide.site_gate import ONE_CALL_IS_ENOUGH_S, _fastest_of_three_ms
+    long_clock = _ListClock([ONE_CALL_IS_ENOUGH_S * 4, 0.001, 0.001])
+    assert _fastest_of_three_ms(_NoCall(), long_clock) == pytest.approx(1e3 * ONE_CALL_IS_ENOUGH_S * 4)
+    assert long_clock.taken == 1
+    short_clock = _ListClock([0.003, 0.002, 0.004])
+    assert _fastest_of_three_ms(_NoCall(), short_clock) == pytest.approx(2.0)
+    assert short_clock.taken == 3
