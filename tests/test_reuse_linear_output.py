@@ -112,3 +112,20 @@ def test_kept_buffers_validate_and_replace_the_oldest():
     assert len(pool.buffers[(torch.float32, torch.device("cpu"))]) == 2
     big = pool.take((4, 9), torch.float32, torch.device("cpu"))  # over twice the size: not reused
     assert big.shape == (4, 9) and big._base is None
+
+
+def test_optimize_keeps_it_under_a_faster_clock_and_the_offline_script_writes_it(tmp_path):
+    import rewriter
+    from rewriter.capture import graph_export
+    from tests.controlled import QUICK, ControlledClock
+
+    torch.manual_seed(0)
+    model, x = Head(ABOVE).eval(), torch.randn(2, 128, 32)
+    fast = rewriter.optimize(model, (x,), passes=["reuse_linear_output"], front_end="fx",
+                             clock=ControlledClock({"reuse_linear_output": 0.5}), gate=QUICK,
+                             progress=False, profile=False, knowledge_base=False, compile=False)
+    assert [(d.pass_name, d.status) for d in fast.report.decisions] == [("reuse_linear_output", "kept")]
+    export = graph_export.write_graph_code(fast, tmp_path)
+    assert "kept_linear" in (tmp_path / graph_export.MODULE_FILE).read_text()
+    rewritten = graph_export.load_exported(export.loadable).load(model)
+    torch.testing.assert_close(rewritten(x), model(x), rtol=0, atol=0)
