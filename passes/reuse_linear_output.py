@@ -66,10 +66,11 @@ class _KeptLinear(torch.autograd.Function):
 def _into_kept(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     out = _OUTPUTS.take((*x.shape[:-1], weight.shape[0]), x.dtype, x.device)
     rows = out.view(-1, weight.shape[0])  # written through; ``out`` itself is not a view
+    x2 = x.reshape(-1, x.shape[-1])
     if bias is None:
-        torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out=rows)
+        torch.mm(x2, weight.t(), out=rows)
     else:
-        torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t(), out=rows)
+        torch.addmm(bias, x2, weight.t(), out=rows)
     return out
 
 
@@ -95,17 +96,16 @@ def linear_pattern(x, w):
     return F.linear(x, w)
 
 
-def output_bytes(m: Match) -> int | None:
+def output_bytes(m: Match) -> int:
+    """The output's bytes, of a match ``is_large_linear`` has checked the shapes of."""
     xi, wi = m.info("x"), m.info("w")
-    if xi is None or wi is None or xi.ndim < 1 or wi.ndim != 2:
-        return None
-    return math.prod(xi.shape[:-1]) * wi.shape[0] * torch.empty((), dtype=xi.dtype).element_size()
+    return math.prod(xi.shape[:-1]) * wi.shape[0] * xi.dtype.itemsize
 
 
 def is_large_linear(m: Match) -> bool:
     """A floating ``x`` of ``w``'s width and dtype (a ``b`` of its rows), output >= 32 MiB."""
     xi, wi = m.info("x"), m.info("w")
-    if xi is None or wi is None or wi.ndim != 2 or xi.shape[-1] != wi.shape[1]:
+    if xi is None or wi is None or xi.ndim < 1 or wi.ndim != 2 or xi.shape[-1] != wi.shape[1]:
         return False
     if xi.dtype != wi.dtype or not xi.dtype.is_floating_point:
         return False
@@ -113,7 +113,7 @@ def is_large_linear(m: Match) -> bool:
         b = m.info("b")
         if b is None or b.shape != (wi.shape[0],) or b.dtype != wi.dtype:
             return False
-    return (output_bytes(m) or 0) >= MMAP_CEILING
+    return output_bytes(m) >= MMAP_CEILING
 
 
 def _kept(g, m: Match, ctx):

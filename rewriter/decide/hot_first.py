@@ -8,10 +8,11 @@ stake can spend it first: a LLaMA-style model with a 32 000-word vocabulary, ``s
 (2-core Xeon without AMX, `.diag` run): the QKV, attention and RMSNorm regions (~1-5 ms each)
 used the budget, and the loss (115 ms, 3.4x when measured) was "not reached" in one run of two.
 So every pass's sites are found first (cheap), the boundary values of all their regions are
-recorded in one run, and one call of each original region (the fastest of three, one region per
-signature) times the calls a step makes of it, times the share of it the pass can save at most
-(``Pass.saves_at_most``: 1 unless its replacement keeps the region's main work), is what the
-pass can act on; the passes are measured in that order, largest first::
+recorded in one run, and one call of each original region (the fastest of three, or one call
+of 50 ms or more; one region per signature) times the calls a step makes of it, times the
+share of it the pass can save at most (``Pass.saves_at_most``: 1 unless its replacement keeps
+the region's main work), is what the pass can act on; the passes are measured in that order,
+largest first::
 
     order = hot_first(keys, potential, touches)
 

@@ -7,8 +7,9 @@ each page on first touch. How often that happens depends on the process's histor
 same step moves from run to run: LLaMA with a 32 000-word vocabulary, training, 2-core Xeon,
 eager 120 000-170 000 page faults a step; one [1024, 32 000] fp32 matmul output 76 ms on fresh
 pages, 53 ms on kept ones (``.diag/logits_buf.py``). ``optimize()`` keeps the buffers of its own
-kernels (the fused loss's gradient, a large Linear's output: ``reuse_linear_output``); the rest belongs to the process's allocator, which
-``optimize()`` never changes on its own: this is the user's switch, for the whole process::
+kernels (the fused loss's gradient, a large Linear's output: ``reuse_linear_output``); the
+rest belongs to the process's allocator, which ``optimize()`` never changes on its own: this
+is the user's switch, for the whole process::
 
     setting = rewriter.keep_freed_host_memory()   # once, at the start of training
     print(setting)    # glibc malloc: nothing mapped on its own (M_MMAP_MAX=0), ...
@@ -77,6 +78,11 @@ def keep_freed_host_memory(keep_bytes: int = DEFAULT_KEEP) -> HostMemorySetting:
     return HostMemorySetting(keep_bytes, version)
 
 
+def pages_mib(pages: float) -> float:
+    """MiB of ``pages`` host pages (this machine's page size)."""
+    return pages * mmap.PAGESIZE / 2**20
+
+
 def fresh_pages_note(original: list[int], optimized: list[int],
                      at: int = FRESH_PAGES_WORTH_A_NOTE) -> str | None:
     """The report's note when the original step maps ``at`` or more fresh pages a step (the
@@ -87,9 +93,8 @@ def fresh_pages_note(original: list[int], optimized: list[int],
     before, after = statistics.median(original), statistics.median(optimized)
     if before < at:
         return None
-    mib = before * mmap.PAGESIZE / 2**20
-    return (f"host memory: the original step maps {before:.0f} fresh pages a step ({mib:.0f} MiB, "
-            f"the step check's median; the optimized step {after:.0f}): freed tensors go back to "
+    return (f"host memory: the original step maps {before:.0f} fresh pages a step "
+            f"({pages_mib(before):.0f} MiB, the step check's median; the optimized step {after:.0f}): freed tensors go back to "
             "the system and come back as pages the kernel zeroes. rewriter.keep_freed_host_memory() "
             "keeps them in the process (the whole process's allocator, so optimize() leaves it "
             "to you)")

@@ -40,13 +40,12 @@ list of OpRow), unfused attention is inferred from softmax and bmm rows instead.
 """
 from __future__ import annotations
 
-import mmap
 import re
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from rewriter.devices.backends import get_backend
-from rewriter.devices.host_memory import FRESH_PAGES_WORTH_A_NOTE
+from rewriter.devices.host_memory import FRESH_PAGES_WORTH_A_NOTE, pages_mib
 from rewriter.profile.op_analysis import OpAnalysis
 from rewriter.profile.roofline import RooflineRow, describe_origins
 from rewriter.profile.rows import KernelRow, OpRow, ProfileLike, is_profile
@@ -277,7 +276,7 @@ def _page_faults(v: _View, s: AdvisorSettings) -> Finding | None:
     alone 8000-24000 (the heap is trimmed)."""
     if v.device != "cpu" or v.page_faults is None or v.page_faults < s.page_faults:
         return None
-    mib = v.page_faults * mmap.PAGESIZE / 2**20  # this machine's page size (the profile's, unless moved)
+    mib = pages_mib(v.page_faults)  # this machine's page size (the profile's, unless moved)
     detail = (f"{v.page_faults} page faults in every step ({mib:.0f} MiB of fresh pages): the "
               "host allocator hands large freed tensors back to the system and maps them again "
               "the next step. Start the process with MALLOC_MMAP_MAX_=0 (glibc: no block of any "
