@@ -47,7 +47,7 @@ from rewriter.decide.knowledge import KnowledgeBase
 from rewriter.decide.optimizer_gate import gate_optimizer
 from rewriter.decide.optimizer_gate import step_saved_ms as optimizer_saved_ms
 from rewriter.decide.reference import Reference
-from rewriter.decide.hot_first import HotFirst
+from rewriter.decide.hot_first import OPTIMIZER, HotFirst
 from rewriter.decide.regions import RegionDecisions
 from rewriter.decide.replay import PlanReplay, replay_on_slot
 from rewriter.decide.state import preserved_state
@@ -314,6 +314,12 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
     def _out_of_time(self) -> bool:
         return self._remaining() < self._confirm_reserve()
 
+    @property
+    def decide_by(self) -> float | None:
+        """When a decision's measuring stops: the budget's end less the confirmation's reserve,
+        so the whole-step check still fits in the budget (None: no budget)."""
+        return None if self.deadline is None else self.deadline - self._confirm_reserve()
+
     # --- deciding ----------------------------------------------------------------------------
     def _decide(self) -> None:
         """Every pass in order; with ``dtype=``, in the precision it will run in.
@@ -324,18 +330,18 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         applied on top, speculatively; then it is decided itself on the whole step, with the
         kept rewrites in. When it is rejected, the others are decided again at full precision.
 
-        The fused optimizer comes first: it is measured on its own step (no graph rewrite changes
-        it), costs a few pairs of that short step, and is often the largest gain, so a tight
-        time budget (a short run's) spends its first seconds there.
+        The fused optimizer is measured on its own step (no graph rewrite changes it) and takes
+        its turn among the passes by what it can save (rewriter.decide.hot_first): one step of
+        the user's optimizer beside the passes' regions, so a tight time budget (a short run's)
+        goes first to the larger of the two: the optimizer's step on a small transformer, the
+        loss of a 32 000-word vocabulary.
         """
-        if self.job.optimizer is not None:
-            self._decide_optimizer()
         precision = [p for p in self.passes if p.sets_precision]
         others = [p for p in self.passes if not p.sets_precision]
         speculate = [p for p in precision if p.applies_to(self.ctx) is None][:1]
         if speculate:
             self._set_overlay([KeptPass(speculate[0])])
-        self._decide_each(others)
+        self._decide_each(others, optimizer=self.job.optimizer is not None)
         if speculate:
             self._set_overlay([])
         self._decide_each(precision)
@@ -362,12 +368,15 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         for slot in self.cap.slots:
             slot.set_overlay(overlay)
 
-    def _decide_each(self, passes: list[Pass]) -> None:
-        """Passes without sites at once, the others hottest first (rewriter.decide.hot_first);
-        the report lists them as registered."""
-        at_once, hot = self._hot_first(passes)
+    def _decide_each(self, passes: list[Pass], optimizer: bool = False) -> None:
+        """Passes without sites at once, the others hottest first, with ``optimizer`` the fused
+        optimizer among them (rewriter.decide.hot_first); the report lists them as registered."""
+        at_once, hot = self._hot_first(passes, optimizer)
         rows, number = {}, {id(p): i for i, p in enumerate(passes, 1)}
         for p in at_once + hot:
+            if p is OPTIMIZER:
+                self._decide_optimizer()
+                continue
             d = self._try(p)  # finding sites is cheap; measuring them checks the budget
             self.snapshot.restore()
             rows[id(p)] = d
@@ -383,7 +392,7 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
             with self._phase("measure"):
                 d, self.fused_opt = gate_optimizer(
                     self.job, self.clock, self.settings.gate, self.settings.min_speedup,
-                    self.settings.replace_optimizer, self.deadline, self.settings.knowledge_base)
+                    self.settings.replace_optimizer, self.decide_by, self.settings.knowledge_base)
             self.snapshot.restore()
             if self.fused_opt is not None:
                 self.units.append(KeptUnit("fuse_optimizer", None, d.speedup, d.noise,

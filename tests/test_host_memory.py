@@ -44,6 +44,7 @@ CHILD = textwrap.dedent("""
     before = resident_bytes()
     setting.undo()
     out["handed_back"] = before - resident_bytes()
+    out["after_undo"] = two()
     print(json.dumps(out))
 """)
 
@@ -57,6 +58,7 @@ def test_kept_memory_is_reused_without_faults_and_undo_hands_it_back():
     assert out["default"] >= pages // 2, out   # mapped afresh each time
     assert out["kept"] < pages // 20, out       # the heap's pages, reused
     assert out["handed_back"] >= 32 << 20, out  # undo: the kept 64 MiB leaves the process
+    assert out["after_undo"] >= pages // 2, out  # and large blocks are mapped afresh again
     assert "M_MMAP_MAX=0" in out["said"] and "2.0 GiB" in out["said"]
 
 
@@ -64,6 +66,48 @@ def test_kept_memory_is_reused_without_faults_and_undo_hands_it_back():
 def test_keep_bytes_out_of_range_is_refused_before_anything_is_set(bad):
     with pytest.raises(ValueError, match="keep_bytes"):
         keep_freed_host_memory(bad)
+
+
+class _Libc:
+    """glibc's three calls, recorded."""
+
+    def __init__(self):
+        self.set, self.trimmed = [], False
+
+    def gnu_get_libc_version(self):
+        return b"2.36"
+
+    def mallopt(self, param, value):
+        self.set.append((param, value))
+        return 1
+
+    def malloc_trim(self, pad):
+        self.trimmed = True
+        return 1
+
+
+def test_undo_sets_back_only_what_it_set_as_the_process_started(monkeypatch):
+    from rewriter.devices import host_memory as hm
+    libc = _Libc()
+    monkeypatch.setattr(hm, "_glibc", lambda: libc)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1048576")  # the user's own, from the start
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.check=3")
+    monkeypatch.delenv("MALLOC_MMAP_MAX_", raising=False)
+    setting = keep_freed_host_memory(1 << 30)
+    assert libc.set == [(hm.M_MMAP_MAX, 0), (hm.M_TRIM_THRESHOLD, 1 << 30)]
+    libc.set.clear()
+    setting.undo()
+    # the mmap threshold and top pad (the user's too, if set) are not touched
+    assert sorted(libc.set) == sorted([(hm.M_MMAP_MAX, 65536), (hm.M_TRIM_THRESHOLD, 1 << 20)])
+    assert libc.trimmed
+
+
+def test_the_start_values_read_the_tunable_over_its_alias_and_skip_what_is_not_a_number():
+    from rewriter.devices.host_memory import M_MMAP_MAX, M_TRIM_THRESHOLD, start_values
+    assert start_values({}) == {M_MMAP_MAX: 65536, M_TRIM_THRESHOLD: 128 * 1024}
+    env = {"MALLOC_TRIM_THRESHOLD_": "1000", "MALLOC_MMAP_MAX_": "many",
+           "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0x20:glibc.malloc.check=3"}
+    assert start_values(env) == {M_MMAP_MAX: 65536, M_TRIM_THRESHOLD: 32}
 
 
 def test_not_glibc_is_a_clear_error(monkeypatch):

@@ -127,3 +127,56 @@ def test_a_pass_that_can_save_only_a_share_of_its_regions_is_weighed_by_that_sha
                       profile=False, progress=False, knowledge_base=False)
     measured = [s[0] for s in clock.seen if len(s) == 1 and s[0] in ("cool", "hot")]
     assert measured[0] == "cool" and "hot" in measured
+
+
+class LinearThenSoftmax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return F.softmax(self.lin(x), dim=-1)
+
+
+class OneCallTimes(ControlledClock):
+    """The decisions from controlled costs; one call of an original region and one step of
+    the user's optimizer (the scan's figures) as given."""
+
+    def __init__(self, one_call: dict[str, float], costs: dict[str, float]):
+        super().__init__(costs)
+        self.one_call = one_call
+
+    def time(self, step):
+        if step.label in self.one_call:
+            step.run()
+            return self.one_call[step.label]
+        return super().time(step)
+
+
+def _first_measured(region_s: float, optimizer_s: float) -> tuple[str, rewriter.Report]:
+    torch.manual_seed(0)
+    model = LinearThenSoftmax()
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    clock = OneCallTimes({"original region, one call": region_s, "original optimizer step, one call": optimizer_s},
+                         {"hot": 0.5, "fuse_optimizer": 0.25})
+    fast, _ = rewriter.optimize(model, (x,), optimizer=opt, loss_fn=lambda out: F.mse_loss(out, y),
+                                passes=[Replace("hot", F.softmax)], clock=clock,
+                                gate=dataclasses.replace(QUICK, negligible=0.0), profile=False,
+                                progress=False, knowledge_base=False)
+    measured = [s[0] for s in clock.seen if len(s) == 1 and s[0] in ("hot", "fuse_optimizer")]
+    return measured[0], fast.report
+
+
+def test_the_fused_optimizer_waits_for_a_region_that_takes_longer_than_its_step():
+    first, report = _first_measured(region_s=0.2, optimizer_s=0.001)
+    assert first == "hot"
+    # both decided, the report in its usual order (the optimizer after the passes)
+    assert [(d.pass_name, d.kept) for d in report.decisions if d.pass_name in ("hot", "fuse_optimizer")] == \
+        [("hot", True), ("fuse_optimizer", True)]
+
+
+def test_the_fused_optimizer_goes_first_when_its_step_takes_longer_than_the_regions():
+    first, report = _first_measured(region_s=0.001, optimizer_s=0.2)
+    assert first == "fuse_optimizer"
+    assert all(d.kept for d in report.decisions if d.pass_name in ("hot", "fuse_optimizer"))

@@ -137,3 +137,58 @@ def test_clip_grad_norm_matches_torch():
     expected = torch.nn.utils.get_total_norm(ref)
     torch.testing.assert_close(total, expected)
     assert torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]) <= 0.1 + 1e-6
+
+
+def test_a_capped_scratch_copy_takes_each_large_parameter_s_first_rows_and_its_state_s():
+    from rewriter.devices.optimizers import scratch_copy
+    big, small = torch.nn.Parameter(torch.randn(100, 30)), torch.nn.Parameter(torch.randn(7))
+    opt = torch.optim.AdamW([big, small])
+    big.grad, small.grad = torch.randn_like(big), torch.randn_like(small)
+    opt.step()  # state: step, exp_avg, exp_avg_sq of each parameter's shape
+    before = {k: v.clone() for k, v in opt.state[big].items()}
+    groups, state, clones = scratch_copy(opt, max_numel=100)
+    c_big, c_small = clones
+    assert c_big.shape == (4, 30) and torch.equal(c_big, big[:4])  # ceil(100 / 30) rows
+    assert c_small.shape == (7,) and c_small is not small
+    assert torch.equal(state[c_big]["exp_avg"], opt.state[big]["exp_avg"][:4])
+    assert torch.equal(state[c_big]["step"], opt.state[big]["step"])
+    with torch.no_grad():
+        c_big.add_(1.0)
+    state[c_big]["exp_avg"].add_(1.0)  # copies: the user's parameter and state stay
+    assert all(torch.equal(opt.state[big][k], v) for k, v in before.items())
+    assert not torch.equal(c_big, big[:4])
+
+
+def test_a_parameter_whose_state_has_another_shape_is_copied_whole():
+    from rewriter.devices.optimizers import scratch_copy
+    p = torch.nn.Parameter(torch.randn(64, 8))
+    opt = torch.optim.SGD([p], lr=0.1)
+    opt.state[p] = {"row_factor": torch.ones(64), "col_factor": torch.ones(8)}  # factored moments
+    _, state, (c,) = scratch_copy(opt, max_numel=16)
+    assert c.shape == p.shape and state[c]["row_factor"].shape == (64,)
+
+
+def test_the_numerics_check_runs_on_capped_copies_and_still_catches_a_wrong_update(monkeypatch):
+    from rewriter.decide import optimizer_gate
+    from rewriter.devices import optimizers
+    monkeypatch.setattr(optimizer_gate, "NUMERICS_MAX_NUMEL", 32)
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(50, 16))
+    opt = torch.optim.AdamW([p], lr=1e-2, foreach=False)
+    sizes = []
+    real = optimizers.scratch_copy
+
+    def spy(optimizer, seed=0, only=None, max_numel=None):
+        out = real(optimizer, seed, only, max_numel)
+        sizes.append(out[2][0].shape)
+        return out
+    monkeypatch.setattr(optimizers, "scratch_copy", spy)
+    fused = next(c for c in candidates(opt, CpuBackend())[0] if c.flags and c.flags.get("fused"))
+    ok, detail, _ = optimizer_gate.optimizer_numerics(opt, fused)
+    assert ok, detail
+    assert sizes == [(2, 16), (2, 16)]  # the first ceil(32 / 16) rows, both sides
+    # a fused form with another learning rate: the capped rows still disagree
+    lr_off = optimizers.OptimizerCandidate("AdamW, lr x 2", factory=lambda groups: torch.optim.AdamW(
+        [{**g, "lr": g["lr"] * 2} for g in groups]))
+    ok, detail, _ = optimizer_gate.optimizer_numerics(opt, lr_off)
+    assert not ok and "param 0" in detail

@@ -114,8 +114,8 @@ def test_the_decision_is_timed_on_the_sample_and_its_saving_scaled_to_the_step(m
     copied: list[int] = []
     real_copy = optimizers.scratch_copy
 
-    def spy(optimizer, seed=0, only=None):
-        groups, state, clones = real_copy(optimizer, seed, only)
+    def spy(optimizer, seed=0, only=None, max_numel=None):
+        groups, state, clones = real_copy(optimizer, seed, only, max_numel)
         copied.append(_numel(clones))
         return groups, state, clones
     monkeypatch.setattr(optimizers, "scratch_copy", spy)

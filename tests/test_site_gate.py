@@ -756,10 +756,27 @@ class _NoCall:
 
 
 def test_a_long_original_region_is_timed_once_a_short_one_the_fastest_of_three():
-    from rewriter.decide.site_gate import ONE_CALL_IS_ENOUGH_S, _fastest_of_three_ms
+    from rewriter.decide.site_gate import ONE_CALL_IS_ENOUGH_S, one_call_ms
     long_clock = _ListClock([ONE_CALL_IS_ENOUGH_S * 4, 0.001, 0.001])
-    assert _fastest_of_three_ms(_NoCall(), long_clock) == pytest.approx(1e3 * ONE_CALL_IS_ENOUGH_S * 4)
+    assert one_call_ms(_NoCall().run, long_clock) == pytest.approx(1e3 * ONE_CALL_IS_ENOUGH_S * 4)
     assert long_clock.taken == 1
     short_clock = _ListClock([0.003, 0.002, 0.004])
-    assert _fastest_of_three_ms(_NoCall(), short_clock) == pytest.approx(2.0)
+    assert one_call_ms(_NoCall().run, short_clock) == pytest.approx(2.0)
     assert short_clock.taken == 3
+
+
+def test_a_measurement_stops_where_the_whole_step_check_still_fits_in_the_budget(blocks, monkeypatch):
+    from rewriter.decide import regions
+    from rewriter.pipeline import Run
+    monkeypatch.setattr(Run, "_confirm_reserve", lambda self: 1.5)  # as for a ~0.17 s step
+    calls = []
+    real = regions.measure_region
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["deadline"] - time.perf_counter())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(regions, "measure_region", spy)
+    model, x = blocks
+    _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 0.5}), time_budget=2.0)
+    # the region may measure until 1.5 s before the budget's end, not until its end
+    assert calls and all(left <= 0.5 for left in calls), calls

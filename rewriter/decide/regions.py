@@ -221,7 +221,7 @@ class RegionDecisions:
         with self._phase("measure"):
             m = measure_region(r, self._values(values, slot, r), self.job.training, clock=self.clock,
                                settings=self.settings.gate, min_speedup=self.settings.min_speedup,
-                               forms=self._forms(r, overlay), deadline=self.deadline,
+                               forms=self._forms(r, overlay), deadline=self.decide_by,
                                original_seconds=None if once_ms is None else once_ms / 1e3)
         keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
         keep, reason = self._negligible(keep, reason, m.saved_ms * _calls(members))

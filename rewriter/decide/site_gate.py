@@ -206,7 +206,7 @@ def measure_region(region: Region, values: list[Recorded], training: bool, *, cl
     a, b = RegionCall(before, values, training), RegionCall(after, values, training)
     with torch.random.fork_rng(devices=[]):
         if original_seconds is None:  # its first call comes with the timing
-            original_seconds = _fastest_of_three_ms(a, clock) / 1e3
+            original_seconds = one_call_ms(a.run, clock) / 1e3
         else:
             a.run()  # its cotangents drawn (its first call came with the earlier timing)
         b.run()  # first call: allocator, kernels picked
@@ -230,20 +230,21 @@ def original_ms(region: Region, values: list[Recorded], training: bool, *, clock
     matter is not worth an A/B comparison (index arithmetic of a few microseconds)."""
     call = RegionCall((forms or (region.before, region.after))[0], values, training)
     with torch.random.fork_rng(devices=[]):
-        return _fastest_of_three_ms(call, clock)
+        return one_call_ms(call.run, clock)
 
 
-# A region whose first timed call takes this long is timed once: the fastest of three is for
-# calls of microseconds, where one sample is mostly noise; an LM head's region (~200 ms on a
-# 2-core CPU) timed three times more cost 0.4 s of a short run's ~13 s budget.
+# A call whose first timing takes this long is timed once: the fastest of three is for calls
+# of microseconds, where one sample is mostly noise; an LM head's region (~200 ms on a 2-core
+# CPU) timed three times more cost 0.4 s of a short run's ~13 s budget.
 ONE_CALL_IS_ENOUGH_S = 0.05
 
 
-def _fastest_of_three_ms(call: RegionCall, clock: Clock) -> float:
-    """A first (untimed) call, then the fastest of three timed ones (one, when it takes
-    ``ONE_CALL_IS_ENOUGH_S`` or more), in ms."""
-    once = Step(_repeated(call, 1), (), "original region, one call", scope="region")
-    call.run()
+def one_call_ms(run: Callable[[], Any], clock: Clock, label: str = "original region, one call",
+                scope: str = "region") -> float:
+    """What one call of ``run`` takes, in ms: a first (untimed) call, then the fastest of three
+    timed ones, or the first timed one alone when it takes ``ONE_CALL_IS_ENOUGH_S`` or more."""
+    once = Step(run, (), label, scope=scope)
+    run()
     first = clock.time(once)
     if first >= ONE_CALL_IS_ENOUGH_S:
         return 1e3 * first

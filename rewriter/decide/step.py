@@ -57,7 +57,7 @@ class StepDecisions:
                 m = measure(self._variant_step(False, base, "kept"),
                             self._variant_step(True, base + (p.name,), "candidate"),
                             clock=self.clock, settings=self.settings.gate,
-                            min_speedup=self.settings.min_speedup, deadline=self.deadline)
+                            min_speedup=self.settings.min_speedup, deadline=self.decide_by)
             keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
             peaks = self._peaks(self._variant_step(False, base, "kept"),
                                 self._variant_step(True, base + (p.name,), "candidate"), m)

@@ -13,8 +13,8 @@ is the user's switch, for the whole process::
 
     setting = rewriter.keep_freed_host_memory()   # once, at the start of training
     print(setting)    # glibc malloc: nothing mapped on its own (M_MMAP_MAX=0), ...
-    setting.undo()    # glibc's initial values, the kept memory handed back (its adaptive
-                      # mmap threshold stays off: glibc has no switch back)
+    setting.undo()    # the two parameters as the process started, the kept memory handed
+                      # back (its adaptive mmap threshold stays off: glibc has no switch back)
 
 The cost: memory the process frees stays with it (its resident size stays near its peak)
 until it exits or undoes it. The same at process start, without code: ``MALLOC_MMAP_MAX_=0
@@ -26,15 +26,17 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import os
 import statistics
 import sys
 from dataclasses import dataclass
 
 # glibc <malloc.h>
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4
-# glibc's initial values (64-bit): what undo() sets back
-GLIBC_INITIAL = {M_TRIM_THRESHOLD: 128 * 1024, M_TOP_PAD: 128 * 1024,
-                 M_MMAP_THRESHOLD: 128 * 1024, M_MMAP_MAX: 65536}
+# What keep_freed_host_memory sets, and where glibc took each from at process start (its
+# environment variable, its tunable, else its initial value on 64-bit): what undo() sets back
+SET = {M_MMAP_MAX: ("MALLOC_MMAP_MAX_", "glibc.malloc.mmap_max", 65536),
+       M_TRIM_THRESHOLD: ("MALLOC_TRIM_THRESHOLD_", "glibc.malloc.trim_threshold", 128 * 1024)}
 INT_MAX = 2**31 - 1  # mallopt takes a C int
 DEFAULT_KEEP = INT_MAX
 # fresh pages a step worth saying so (each a page mapped and zeroed, 4 KiB on x86: 0.7 us
@@ -44,7 +46,7 @@ FRESH_PAGES_WORTH_A_NOTE = 5000
 
 @dataclass
 class HostMemorySetting:
-    """What :func:`keep_freed_host_memory` set, readable; ``undo()`` sets glibc's initial values."""
+    """What :func:`keep_freed_host_memory` set, readable; ``undo()`` sets it back."""
     keep_bytes: int
     glibc: str
 
@@ -53,12 +55,33 @@ class HostMemorySetting:
                 f"kept up to {self.keep_bytes / 2**30:.1f} GiB (M_TRIM_THRESHOLD)")
 
     def undo(self) -> None:
-        """glibc's initial values again, and the memory kept so far handed back
-        (``malloc_trim``: the free pages inside the heap too, not only its top)."""
+        """The two parameters it set back to the process's start values (glibc's initial
+        values, or the ``MALLOC_*_`` variables / ``GLIBC_TUNABLES`` the process started with),
+        and the memory kept so far handed back (``malloc_trim``: the free pages inside the
+        heap too, not only its top). The mmap threshold stays where glibc's adaptation had
+        taken it (any mallopt stops the adaptation; glibc has no switch back)."""
         libc = _glibc()
-        for param, value in GLIBC_INITIAL.items():
+        for param, value in start_values().items():
             libc.mallopt(param, value)
         libc.malloc_trim(0)
+
+
+def start_values(environ: dict[str, str] | None = None) -> dict[int, int]:
+    """What glibc set the parameters in :data:`SET` to at process start: the tunable
+    (``GLIBC_TUNABLES=glibc.malloc.trim_threshold=...:...``, which glibc 2.36 applies over its
+    alias), else the environment variable, else the initial value; a value that does not
+    read as a number counts as absent."""
+    env = os.environ if environ is None else environ
+    tunables = dict(item.split("=", 1) for item in env.get("GLIBC_TUNABLES", "").split(":") if "=" in item)
+    values = {}
+    for param, (variable, tunable, initial) in SET.items():
+        values[param] = initial
+        for text in (env.get(variable), tunables.get(tunable)):  # the tunable wins
+            try:
+                values[param] = int(text, 0) if text is not None else values[param]
+            except ValueError:
+                pass
+    return values
 
 
 def keep_freed_host_memory(keep_bytes: int = DEFAULT_KEEP) -> HostMemorySetting:

@@ -218,39 +218,62 @@ def _apex_candidates(optimizer: torch.optim.Optimizer, name: str, backend: Backe
 
 # --- scratch copies for measuring -------------------------------------------------------------
 
-def scratch_copy(optimizer: torch.optim.Optimizer, seed: int = 0, only: Collection[int] | None = None
-                 ) -> tuple[list[dict], dict, list[torch.Tensor]]:
+def scratch_copy(optimizer: torch.optim.Optimizer, seed: int = 0, only: Collection[int] | None = None,
+                 max_numel: int | None = None) -> tuple[list[dict], dict, list[torch.Tensor]]:
     """Param groups over cloned parameters (with fixed random gradients), the state mapped onto
     them, and the clones. The user's parameters and state are not touched. ``only``: the ids of
-    the parameters to copy (None: all); a group left with none is dropped."""
+    the parameters to copy (None: all); a group left with none is dropped. ``max_numel``: a
+    larger parameter is copied as its first rows (enough for ``max_numel`` elements; its
+    state's tensors of its shape likewise), unless its state holds a tensor of another shape
+    (a factored second moment: its rows would not match)."""
     gen = torch.Generator().manual_seed(seed)
     mapping: dict[int, torch.Tensor] = {}
+    rows_of: dict[int, int | None] = {}
     groups, clones = [], []
     for g in optimizer.param_groups:
         params = []
         for p in g["params"]:
             if only is not None and id(p) not in only:
                 continue
-            c = p.detach().clone().requires_grad_(p.requires_grad)
-            c.grad = (torch.randn(p.shape, generator=gen, dtype=torch.float32) * 1e-2).to(p.device, p.dtype)
+            rows = rows_of[id(p)] = _rows_to_copy(p, optimizer.state.get(p, {}), max_numel)
+            c = p.detach()[:rows].clone().requires_grad_(p.requires_grad)
+            c.grad = (torch.randn(c.shape, generator=gen, dtype=torch.float32) * 1e-2).to(p.device, p.dtype)
             mapping[id(p)] = c
             params.append(c)
             clones.append(c)
         if not params:
             continue
         groups.append({**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}, "params": params})
-    state = {mapping[id(p)]: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-                              for k, v in st.items()}
+    state = {mapping[id(p)]: {k: _state_copy(v, p, rows_of[id(p)]) for k, v in st.items()}
              for p, st in optimizer.state.items() if id(p) in mapping}
     return groups, state, clones
 
 
+def _rows_to_copy(p: torch.Tensor, state: dict, max_numel: int | None) -> int | None:
+    """How many leading rows of ``p`` a capped copy takes (None: all of it)."""
+    if max_numel is None or p.dim() == 0 or p.numel() <= max_numel:
+        return None
+    if any(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape for v in state.values()):
+        return None
+    per_row = max(1, p[0].numel())
+    return min(p.shape[0], -(-max_numel // per_row))
+
+
+def _state_copy(v: Any, p: torch.Tensor, rows: int | None) -> Any:
+    if not isinstance(v, torch.Tensor):
+        return copy.deepcopy(v)
+    if rows is not None and v.shape == p.shape:
+        return v.detach()[:rows].clone()
+    return v.detach().clone()
+
+
 def scratch_optimizer(optimizer: torch.optim.Optimizer, candidate: OptimizerCandidate | None,
-                      seed: int = 0, only: Collection[int] | None = None
+                      seed: int = 0, only: Collection[int] | None = None, max_numel: int | None = None
                       ) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
     """The user's optimizer (candidate None) or a candidate, over scratch copies (of the
-    parameters ``only`` names, or all), same state."""
-    groups, state, clones = scratch_copy(optimizer, seed, only)
+    parameters ``only`` names, or all; capped at ``max_numel`` elements each, see
+    :func:`scratch_copy`), same state."""
+    groups, state, clones = scratch_copy(optimizer, seed, only, max_numel)
     if candidate is None:
         opt = type(optimizer)(groups)
     else:
