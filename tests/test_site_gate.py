@@ -780,3 +780,12 @@ def test_a_measurement_stops_where_the_whole_step_check_still_fits_in_the_budget
     _opt(model, (x,), [RewriteRelu("a")], ControlledClock({"a": 0.5}), time_budget=2.0)
     # the region may measure until 1.5 s before the budget's end, not until its end
     assert calls and all(left <= 0.5 for left in calls), calls
+
+
+@pytest.mark.parametrize("one_call_s, pairs", [(0.06, QUICK.min_pairs), (0.01, QUICK.max_pairs)])
+def test_a_region_long_enough_to_be_timed_once_needs_only_a_step_s_fewest_pairs(blocks, one_call_s, pairs):
+    # QUICK: a step's fewest pairs 4; a short region's min(region_min_pairs, max_pairs) = 6
+    model, x = blocks
+    clock = ControlledClock({"a": 0.5}, base=one_call_s)
+    _opt(model, (x,), [RewriteRelu("a")], clock)
+    assert _region_samples(clock, "a") == pairs

@@ -16,11 +16,6 @@ largest first::
 
     order = hot_first(keys, potential, touches)
 
-The fused optimizer's decision takes its turn among them by one step of the user's optimizer
-(on scratch copies: :func:`rewriter.decide.optimizer_gate.original_step_ms`): the largest item
-on a small transformer (~8 ms of a 170 ms step), after the loss on a 32 000-word vocabulary
-(the loss ~110 ms a step, the optimizer ~58 ms; decided first, it took 2.9 s of a 12 s budget
-and the loss was not reached, 1.06x; now the loss is, 3.4x on its region).
 The times are kept for the decisions (:meth:`HotFirst._scanned_ms`), so nothing is timed twice.
 Without a recording (a graph the run did not reach), the regions' tensor bytes stand in.
 A pass never overtakes an earlier one whose regions share a node with its own (the two compose
@@ -37,7 +32,6 @@ from typing import Any, Hashable, Sequence
 from torch.fx import GraphModule
 
 from rewriter.capture.ir import tensor_info
-from rewriter.decide.optimizer_gate import original_step_ms
 from rewriter.decide.site_gate import original_ms
 
 log = logging.getLogger("rewriter.progress")
@@ -74,18 +68,11 @@ def hot_first(names: Sequence[Hashable], potential: dict[Any, float | None],
     return order
 
 
-# Stands for the fused optimizer's decision among the passes (:meth:`HotFirst._hot_first`).
-OPTIMIZER = "fuse_optimizer"
-
-
 class HotFirst:
     """Run's methods that scan the passes for their sites and order them (:func:`hot_first`)."""
 
-    def _hot_first(self: Any, passes: list[Any], optimizer: bool = False) -> tuple[list[Any], list[Any]]:
-        """(passes decided at once: not applicable or no sites; the others, hottest first).
-        With ``optimizer``, :data:`OPTIMIZER` is among the others, ranked by one step of the
-        user's optimizer (:func:`original_step_ms`: all of it is what fusing can save at most);
-        first where the regions' times are unknown, and first among equals."""
+    def _hot_first(self: Any, passes: list[Any]) -> tuple[list[Any], list[Any]]:
+        """(passes decided at once: not applicable or no sites; the others, hottest first)."""
         at_once, scanned, found = [], [], []
         self._scanned, self._scan_values = {}, None
         for p in passes:
@@ -105,47 +92,27 @@ class HotFirst:
             self.ctx.declined.clear()
             scanned.append(p)
             found.append(None if regions is None else _one_per_signature(regions))
-        first = [OPTIMIZER] if optimizer else []
         try:
-            potential, touches = self._potentials(found, at_least=2 - len(first))
+            potential, touches = self._potentials(found)
             potential = {k: None if v is None else v * scanned[k].saves_at_most
                          for k, v in potential.items()}
-            if optimizer and self._scan_values is not None:  # the regions' times are known
-                k = len(scanned)
-                potential[k], touches[k] = self._optimizer_ms(), set()
-                scanned.append(OPTIMIZER)
-                first = []
         except Exception as e:  # noqa: BLE001 (an order is a saving of time, never a failure)
             log.info("rewriter: passes measured as registered: %s: %s", type(e).__name__, e)
-            return at_once, first + [p for p in scanned if p is not OPTIMIZER]
+            return at_once, scanned
         finally:
             self.snapshot.restore()  # the recording run: as every decision leaves the model
-        keys = list(range(len(scanned)))
-        if not first and optimizer:
-            keys = keys[-1:] + keys[:-1]  # first among equals
-        order = hot_first(keys, potential, touches)
+        order = hot_first(list(range(len(scanned))), potential, touches)
         if self._scan_values is not None:
             log.info("rewriter: measuring hottest first (ms a step each can act on): %s", ", ".join(
-                f"{_name(scanned[k])} {'?' if potential[k] is None else f'{potential[k]:.1f}'}" for k in order))
-        return at_once, first + [scanned[k] for k in order]
+                f"{scanned[k].name} {'?' if potential[k] is None else f'{potential[k]:.1f}'}" for k in order))
+        return at_once, [scanned[k] for k in order]
 
-    def _optimizer_ms(self: Any) -> float | None:
-        """One step of the user's optimizer, ms (None: unknown, so it is decided first)."""
-        try:
-            with self._phase("measure"):
-                return original_step_ms(self.job, self.clock)
-        except Exception as e:  # noqa: BLE001 (its own decision reports a failing optimizer)
-            log.info("rewriter: the optimizer's step not timed: %s: %s", type(e).__name__, e)
-            return None
-
-    def _potentials(self: Any, found: list[Any], at_least: int = 2
-                    ) -> tuple[dict[int, float | None], dict[int, set[Any]]]:
+    def _potentials(self: Any, found: list[Any]) -> tuple[dict[int, float | None], dict[int, set[Any]]]:
         """Per scanned pass: ms a step of its original regions (bytes without a recording;
-        None: not local), and the kept-graph nodes its regions read, replace or hand on.
-        Fewer than ``at_least`` passes: nothing to order, nothing measured."""
+        None: not local), and the kept-graph nodes its regions read, replace or hand on."""
         potential: dict[int, float | None] = {}
         touches: dict[int, set[Any]] = {}
-        if len(found) < at_least:  # nothing to order
+        if len(found) < 2:  # nothing to order
             return {k: 0.0 for k in range(len(found))}, {k: set() for k in range(len(found))}
         firsts = [(slot, r) for groups in found if groups for _, slot, r, _ in groups]
         values = None
@@ -179,10 +146,6 @@ class HotFirst:
         """One call of region ``r``'s original, in ms, as the scan timed a region like it (the
         same pass, structure and boundary; at the precision it was captured in)."""
         return self._scanned.get(scan_key(r))
-
-
-def _name(p: Any) -> str:
-    return p if isinstance(p, str) else p.name
 
 
 def scan_key(r: Any) -> tuple:

@@ -26,7 +26,6 @@ from rewriter.decide.gate import Clock, GateSettings, Step, decide, known_verdic
 from rewriter.decide.job import Job
 from rewriter.decide.knowledge import KnowledgeBase, entry_key
 from rewriter.decide.param_sample import sample_parameters
-from rewriter.decide.site_gate import one_call_ms
 from rewriter.decide.verify import Tolerance, compare_runs
 from rewriter.devices import optimizers
 from rewriter.report import Decision
@@ -117,16 +116,6 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
         tried.append(decision.reason)
     return Decision("fuse_optimizer", False, "rejected", "; ".join(tried),
                     sites=[c.description for c in found], scope="step"), None
-
-
-def original_step_ms(job: Job, clock: Clock) -> float:
-    """One step of the job's own optimizer, in ms, over scratch copies of the parameters its
-    decision samples (after a first step, which allocates the state), scaled to all of them:
-    what fusing it could save at most, beside the regions' times when the passes are ordered
-    (rewriter.decide.hot_first). The user's parameters and state are not touched."""
-    sample = sample_parameters(job.optimizer, job.model)
-    base, _ = optimizers.scratch_optimizer(job.optimizer, None, seed=1, only=sample.ids)
-    return one_call_ms(base.step, clock, "original optimizer step, one call", scope="optimizer") * sample.scale
 
 
 def step_saved_ms(measurement: dict | None) -> float | None:

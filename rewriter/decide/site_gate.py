@@ -213,12 +213,15 @@ def measure_region(region: Region, values: list[Recorded], training: bool, *, cl
         reps = repeats_for(original_seconds, settings.region_sample_seconds)
         base = Step(_repeated(a, reps), (), "original region", scope="region", reps=reps)
         cand = Step(_repeated(b, reps), (region.pass_name,), "replacement", scope="region", reps=reps)
+        # short samples: more of them before a verdict; a region long enough to be timed once
+        # (an LM head's loss, ~110 ms) has samples like a step's, and a step's fewest pairs
+        fewest = settings.min_pairs if original_seconds >= ONE_CALL_IS_ENOUGH_S else \
+            max(settings.min_pairs, min(settings.region_min_pairs, settings.max_pairs))
         quick_warmup = dataclasses.replace(settings, warmup_seconds=settings.region_warmup_seconds,
                                            budget_seconds=min(settings.budget_seconds,
                                                               settings.region_budget_seconds),
                                            max_pairs=max(settings.max_pairs, settings.region_max_pairs),
-                                           min_pairs=max(settings.min_pairs, min(
-                                               settings.region_min_pairs, settings.max_pairs)))
+                                           min_pairs=fewest)
         return measure(base, cand, clock=clock, settings=quick_warmup, min_speedup=min_speedup,
                        deadline=deadline)
 
@@ -239,11 +242,11 @@ def original_ms(region: Region, values: list[Recorded], training: bool, *, clock
 ONE_CALL_IS_ENOUGH_S = 0.05
 
 
-def one_call_ms(run: Callable[[], Any], clock: Clock, label: str = "original region, one call",
-                scope: str = "region") -> float:
-    """What one call of ``run`` takes, in ms: a first (untimed) call, then the fastest of three
-    timed ones, or the first timed one alone when it takes ``ONE_CALL_IS_ENOUGH_S`` or more."""
-    once = Step(run, (), label, scope=scope)
+def one_call_ms(run: Callable[[], Any], clock: Clock) -> float:
+    """What one call of an original region (``run``) takes, in ms: a first (untimed) call,
+    then the fastest of three timed ones, or the first timed one alone when it takes
+    ``ONE_CALL_IS_ENOUGH_S`` or more."""
+    once = Step(run, (), "original region, one call", scope="region")
     run()
     first = clock.time(once)
     if first >= ONE_CALL_IS_ENOUGH_S:
