@@ -39,7 +39,7 @@ from rewriter.capture.regional import RegionalCapture
 from rewriter.decide import memory
 from rewriter.decide.amortize import MIN_BUDGET, deciding_budget
 from rewriter.decide.compile_gate import CompileGate
-from rewriter.decide.confirm import Confirmation, KeptUnit, usual_pairs
+from rewriter.decide.confirm import Confirmation, KeptUnit, fewest_pairs
 from rewriter.decide.gate import Clock, GateSettings, Step, device_clock, figure, measure
 from rewriter.decide.job import Job, switched
 from rewriter.decide.kept import KeptPass, apply_kept, build, overlay_for
@@ -307,9 +307,10 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
 
     def _confirm_reserve(self) -> float:
         """Time kept back for the confirmation: the composed check and the fewest pairs of two
-        steps."""
-        g = self.settings.gate
-        return self.step_seconds * (1 + 2 * usual_pairs(g)) * 1.25
+        steps that can answer it (all pointing faster; the usual pairs where the budget has
+        them: LLaMA 32k at steps=100 kept 5.3 s back, the check took 1.9-2.4 s, and the loss
+        was cut short)."""
+        return self.step_seconds * (1 + 2 * fewest_pairs(self.settings.gate)) * 1.25
 
     def _out_of_time(self) -> bool:
         return self._remaining() < self._confirm_reserve()
@@ -330,13 +331,10 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         applied on top, speculatively; then it is decided itself on the whole step, with the
         kept rewrites in. When it is rejected, the others are decided again at full precision.
 
-        The fused optimizer comes first: it is measured on its own step (no graph rewrite changes
-        it) and saves the most per second of deciding: a few pairs of that short step and a
-        5-step numerics check on each parameter's first rows, no float64 run, against a region's
-        ~10 pairs of its own calls and a float64 check (LLaMA with 32 000 words: ~48 ms a step
-        for 1.0 s of deciding; the loss ~75 ms for ~2.5 s, then the kept output ~25 ms for ~4 s).
-        Ordered among the regions by its step's time alone, it came after the loss and the kept
-        output and was not reached at steps=100 (`.diag/budget32k.py`, stop 48).
+        The fused optimizer comes first: measured on its own step (no graph rewrite changes it),
+        it saves the most per second of deciding (LLaMA with 32 000 words: ~48 ms a step for
+        1.0 s of deciding; the loss ~75 ms for ~2.5 s, the kept output ~25 ms for ~4 s; ordered
+        among the regions by its step's time, it was not reached at steps=100).
         """
         if self.job.optimizer is not None:
             self._decide_optimizer()

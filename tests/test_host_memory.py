@@ -44,7 +44,6 @@ CHILD = textwrap.dedent("""
     before = resident_bytes()
     setting.undo()
     out["handed_back"] = before - resident_bytes()
-    out["after_undo"] = two()
     print(json.dumps(out))
 """)
 
@@ -58,7 +57,6 @@ def test_kept_memory_is_reused_without_faults_and_undo_hands_it_back():
     assert out["default"] >= pages // 2, out   # mapped afresh each time
     assert out["kept"] < pages // 20, out       # the heap's pages, reused
     assert out["handed_back"] >= 32 << 20, out  # undo: the kept 64 MiB leaves the process
-    assert out["after_undo"] >= pages // 2, out  # and large blocks are mapped afresh again
     assert "M_MMAP_MAX=0" in out["said"] and "2.0 GiB" in out["said"]
 
 
