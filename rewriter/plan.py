@@ -1,7 +1,7 @@
 """Plans: the kept rewrites of one optimize() run, as JSON, replayable without measuring.
 
-A plan is valid for the graphs, input shapes, device, machine (CPU model and threads, GPU or
-NPU name) and versions it was made on; its fingerprint records them and
+A plan is valid for the graphs, the model's parameter and buffer shapes, input shapes, device,
+machine (CPU model and threads, GPU or NPU name) and versions it was made on; its fingerprint records them and
 :func:`fingerprint_mismatch` names what differs (ranks replaying rank 0's plan ignore the
 machine: every rank must run the same graph)::
 
@@ -28,6 +28,14 @@ def input_signature(args: tuple, kwargs: dict) -> list[str]:
         return f"{name}:{type(v).__name__}"
     return ([describe(str(i), a) for i, a in enumerate(args)]
             + [describe(k, v) for k, v in sorted(kwargs.items())])
+
+
+def tensor_hash(model: torch.nn.Module) -> str:
+    """The model's parameters and buffers (names, shapes, dtypes), hashed: what the graphs'
+    op names leave out (two models with one op sequence and other widths, or a bias more)."""
+    tensors = [[n, list(t.shape), str(t.dtype)] for n, t in
+               list(model.named_parameters()) + list(model.named_buffers())]
+    return hashlib.sha256(json.dumps(tensors).encode()).hexdigest()[:16]
 
 
 def graph_hash(signatures: Iterable[list[str]]) -> str:

@@ -17,6 +17,17 @@ class ReluMLP(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
+class TwoLayers(nn.Module):
+    """ReluMLP's ops with any hidden width: one op sequence, other parameter shapes."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, hidden), nn.Linear(hidden, 16)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
 class BnNet(nn.Module):
     """Conv + BatchNorm + relu + dropout: running stats and RNG for the state tests."""
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 import rewriter
 from rewriter.errors import PlanError
 from tests.controlled import QUICK, ControlledClock, RewriteRelu
-from tests.models import HandAttention, ReluMLP
+from tests.models import HandAttention, ReluMLP, TwoLayers
 
 FAST = {"fuse_attention": 0.5, "fuse_linear": 0.5, "a": 0.5}
 
@@ -113,6 +113,15 @@ def test_plan_with_other_fingerprint_is_not_applied_blindly(tmp_path, attn):
     assert "not applied" in other.report.plan_status and "inputs" in other.report.plan_status
     measured = {d.pass_name: d.status for d in other.report.decisions}
     assert measured["fuse_attention"] == "kept"  # measured instead of replayed
+
+
+def test_a_plan_is_not_replayed_on_a_model_with_the_same_ops_and_other_widths(tmp_path):
+    x = torch.randn(8, 16)
+    _opt(TwoLayers(32).eval(), (x,), passes=[]).report.save(tmp_path)
+    other = _opt(TwoLayers(64).eval(), (x,), passes=[], plan=str(tmp_path / "plan.json"))
+    assert "not applied" in other.report.plan_status and "tensors" in other.report.plan_status
+    same = _opt(TwoLayers(32).eval(), (x,), passes=[], plan=str(tmp_path / "plan.json"))
+    assert "not applied" not in (same.report.plan_status or "")
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"format": "something else"}', ""])

@@ -24,7 +24,7 @@ from rewriter.devices.compile_cache import is_warm, use_persistent_cache
 from rewriter.devices.executors import executors_for
 from tests import npu_shim
 from tests.controlled import QUICK, Bf16Cpu, ControlledClock, RewriteRelu
-from tests.models import ReluMLP
+from tests.models import ReluMLP, TwoLayers
 
 
 class FakeCompiler:
@@ -172,6 +172,16 @@ def test_the_knowledge_base_keeps_the_decision_so_a_second_run_does_not_measure(
     assert d.kept and "knowledge base" in d.reason and _compiled_samples(clock) == 0
     # no rewrite was kept: the original model, compiled, runs, and the report says so
     assert again.report.kept_passes == ["compile"] and "compiled with fake" in again.report.final["reason"]
+
+
+def test_a_model_with_the_same_ops_and_other_widths_is_measured_not_taken_from_the_knowledge_base(tmp_path):
+    torch.manual_seed(0)
+    kb, x = tmp_path / "kb.json", torch.randn(8, 16)
+    _opt(TwoLayers(32).eval(), (x,), ControlledClock({"compile": 0.5}), FakeCompiler(), knowledge_base=kb)
+    clock = ControlledClock({"compile": 3.0})
+    wider = _opt(TwoLayers(64).eval(), (x,), clock, FakeCompiler(), knowledge_base=kb)
+    d = _compile_row(wider)
+    assert not d.kept and "knowledge base" not in d.reason and _compiled_samples(clock) > 0
 
 
 def test_auto_does_not_pay_a_compile_the_run_cannot_repay_and_false_does_not_try(mlp):

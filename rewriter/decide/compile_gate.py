@@ -554,6 +554,7 @@ class CompileGate:
              if regional else "")
         text = "|".join([NAME, ex.name + form, r.job.backend.name,
                          r.job.mode, str(r.job.dtype), plans.graph_hash(graphs),
+                         plans.tensor_hash(r.job.model),  # op names alone: LLaMA's and Qwen2's
                          ",".join(plans.input_signature(r.job.args, r.job.kwargs)),
                          ",".join(kp.name for kp in r.kept) if rewritten else "",
                          r.fused_opt.description if r.fused_opt else "-"])

@@ -32,6 +32,7 @@ class PlanReplay:
               "dtype": str(job.dtype) if job.dtype else None,
               "inputs": plans.input_signature(job.args, job.kwargs), "front_end": self.cap.front_end,
               "graphs": plans.graph_hash(structure_signature(s.original) for s in self.cap.slots),
+              "tensors": plans.tensor_hash(job.model),  # the op names leave out the widths
               "pass_versions": {p.name: p.version for p in self.passes}}
         if job.generation is not None:  # a step of 1 + n calls weighs the graphs otherwise
             fp["decode_calls"] = job.generation.decode_calls

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 from typing import Any
@@ -112,12 +111,10 @@ class StepDecisions:
         """``what`` on this step: device, mode, precision, the model's tensor shapes, the
         inputs, the optimizer, the software versions and the machine."""
         job = self.job
-        tensors = [[n, list(t.shape), str(t.dtype)] for n, t in
-                   list(job.model.named_parameters()) + list(job.model.named_buffers())]
         text = json.dumps({
             **what, "device": job.backend.name, "mode": mode_of(self.ctx),
             "dtype": str(job.dtype) if job.dtype else None,
-            "tensors": hashlib.sha256(json.dumps(tensors).encode()).hexdigest()[:16],
+            "tensors": plans.tensor_hash(job.model),
             "inputs": plans.input_signature(job.args, job.kwargs),
             "optimizer": type(job.optimizer).__name__ if job.optimizer is not None else None},
             sort_keys=True)
