@@ -168,7 +168,7 @@ def _speedup(r: Row) -> str:
     return f"{r.speedup:.2f}x ±{r.noise:.2f}" if r.noise is not None else f"{r.speedup:.2f}x"
 
 
-def _faults(r: Row) -> str:
+def faults_text(r: Row) -> str:
     """Eager's and the configuration's median page faults a step, as ``eager -> config``."""
     if not r.faults:
         return "-"
@@ -196,7 +196,7 @@ def _model_section(results: Results, mode: str, model: str, rows: list[Row]) -> 
                          f"**failed**: {_cell(r.error)} |")
             continue
         lines.append(f"| {r.label} | {_num(r.step_ms, '.3g')} | {_num(r.spread_ms, '.2g')} | "
-                     f"{_num(r.eager_ms, '.3g')} | {_speedup(r)} | {_faults(r)} | {_num(r.peak_mb, '.1f')} | "
+                     f"{_num(r.eager_ms, '.3g')} | {_speedup(r)} | {faults_text(r)} | {_num(r.peak_mb, '.1f')} | "
                      f"{_optimize_s(r)} | {_num(r.first_step_s, '.2f')} | "
                      f"{_num(r.rel_error, '.1e')} | {_cell('; '.join(r.notes))} |")
     for r in rows:

@@ -49,7 +49,7 @@ from benchmarks.measure import (
     spread_ms,
 )
 from benchmarks.models import ALL_MODEL_NAMES, MODEL_NAMES, build_case
-from benchmarks.results import Results, Row, write_outputs
+from benchmarks.results import Results, Row, faults_text, write_outputs
 from rewriter.decide.gate import GateSettings
 
 MODES = {"train": ("train",), "infer": ("infer",), "both": ("train", "infer")}
@@ -192,8 +192,7 @@ def run_config(config: Config, setup: Setup, mode: str, eager_step: Callable[[],
         row.times_ms = {"eager": [1e3 * t for t in m.baseline_times],
                         "config": [1e3 * t for t in m.candidate_times]}
         row.faults = step_faults(m)
-        faults = (f"; page faults a step {row.faults['eager']:.0f} -> {row.faults['config']:.0f}"
-                  if row.faults else "")
+        faults = f"; page faults a step {faults_text(row)}" if row.faults else ""
         _progress(f"{where}: {m.speedup:.2f}x ±{m.noise:.2f} over {m.pairs} pairs "
                   f"({m.baseline_ms:.1f} -> {m.candidate_ms:.1f} ms{faults})")
     except Exception as e:

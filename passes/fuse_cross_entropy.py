@@ -117,7 +117,7 @@ def gradient_buffer(logits: torch.Tensor) -> torch.Tensor:
     """An uninitialized contiguous tensor the shape of ``logits``: on CPU a kept one
     (``_SPARES``), elsewhere (a caching allocator reuses memory already) or while
     compiling, a new one."""
-    if logits.device.type != "cpu" or torch.compiler.is_compiling() or not can_keep():
+    if not can_keep(logits.device):
         return torch.empty_like(logits, memory_format=torch.contiguous_format)
     return _SPARES.take(logits.shape, logits.dtype, logits.device)
 

@@ -76,7 +76,7 @@ def _into_kept(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 def kept_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, its output in a buffer kept between calls (CPU)."""
-    if x.device.type != "cpu" or torch.compiler.is_compiling() or not can_keep():
+    if not can_keep(x.device):
         return F.linear(x, weight, bias)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias))

@@ -25,9 +25,11 @@ import torch
 MMAP_CEILING = 32 << 20  # glibc's largest adaptive mmap threshold (64-bit): above it, always mapped
 
 
-def can_keep() -> bool:
-    """Whether this torch tells a storage's holders (and so whether reuse is safe to decide)."""
-    return hasattr(torch._C, "_storage_Use_Count")
+def can_keep(device: torch.device) -> bool:
+    """Whether a kernel's buffer on ``device`` is one to keep here: the CPU (a caching
+    allocator reuses memory elsewhere), outside torch.compile (the buffer is the compiler's to
+    plan), and a torch that tells a storage's holders (so reuse is safe to decide)."""
+    return device.type == "cpu" and not torch.compiler.is_compiling() and hasattr(torch._C, "_storage_Use_Count")
 
 
 class KeptBuffers:
