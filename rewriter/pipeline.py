@@ -56,8 +56,7 @@ from rewriter.devices import amp, optimizers
 from rewriter.devices.weight_casts import WeightCast
 from rewriter.errors import CaptureError
 from rewriter.pass_api import Pass, PassContext
-from rewriter.profile.advisor import advise
-from rewriter.profiling import ProfileSettings, compare, profile_run
+from rewriter.profiling import ProfileSettings, record_run
 from rewriter.report import Decision, Report
 
 log = logging.getLogger("rewriter.progress")
@@ -532,23 +531,21 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         return True
 
     def _profile(self) -> None:
-        """One warm-up and one active step: the report's view, not a measurement."""
+        """One warm-up and one active step each: the report's view, not a measurement. The
+        tables are built when the report is first read (Report.profiles_later)."""
         job, report = self.job, self.report
         optimized = bool(self.kept) or self.fused_opt is not None or self.compiled is not None
         twin = self.fused_opt.twin(job.optimizer) if self.fused_opt is not None else None
         try:
-            before = profile_run(job.step(job.model), job.backend, settings=REPORT_PROFILE, label="original")
-            report.top_ops_before, report.findings_before = before.top(10), advise(before)
-            report.attach_profiles(original=before)
+            before = record_run(job.step(job.model), job.backend, settings=REPORT_PROFILE, label="original")
+            after = None
             if optimized:
                 run = self.cap if self.kept else job.model
                 if self.compiled is not None:
                     run = self.compiled.get("dynamo") or self.compiled.get("original") or run
-                after = profile_run(job.step(run, optimizer=twin), job.backend,
-                                    settings=REPORT_PROFILE, label="optimized")
-                report.top_ops_after, report.findings_after = after.top(10), advise(after)
-                report.op_comparison = compare(before, after, labels=("original", "optimized"))
-                report.attach_profiles(original=before, optimized=after)
+                after = record_run(job.step(run, optimizer=twin), job.backend,
+                                   settings=REPORT_PROFILE, label="optimized")
+            report.profiles_later(before, after)
             if self.settings.objective == "memory":
                 self._memory_view(twin if optimized else None, optimized)
         except Exception as e:  # a profiler problem must not cost the user the optimization

@@ -12,8 +12,19 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rewriter.profile.advisor import Finding, findings_to_markdown
-from rewriter.profiling import Comparison, OpRow, format_shapes, top_operator_lines
+from rewriter.profile.advisor import Finding, advise, findings_to_markdown
+from rewriter.profiling import (
+    Comparison,
+    OpRow,
+    RecordedProfile,
+    compare,
+    format_shapes,
+    top_operator_lines,
+)
+
+# Report attributes built from the step's profiles; read first, they are built then
+_FROM_PROFILES = frozenset({"top_ops_before", "top_ops_after", "findings_before", "findings_after",
+                            "op_comparison", "_profiles"})
 
 
 @dataclass
@@ -72,6 +83,33 @@ class Report:
     blocks: list[dict] = field(default_factory=list)
     # What one measured step is, where it is not one call (a generation: prefill + decode calls)
     workload: str = ""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _FROM_PROFILES:  # the first read builds the tables (profiles_later)
+            pending = object.__getattribute__(self, "__dict__").pop("_pending_profiles", None)
+            if pending is not None:
+                self._tables_from(*pending)
+        return object.__getattribute__(self, name)
+
+    def profiles_later(self, original: RecordedProfile, optimized: RecordedProfile | None = None) -> None:
+        """The operator tables, advisor findings and comparison come from these recorded
+        profiles, built when one of them is first read (``print(report)``, ``to_dict()``,
+        ``save()``, ``report.top_ops_before``...): optimize() does not wait for tables nobody
+        reads. A failure to build them becomes a note, as a failure to profile does."""
+        self.__dict__["_pending_profiles"] = (original, optimized)
+
+    def _tables_from(self, original: RecordedProfile, optimized: RecordedProfile | None) -> None:
+        try:
+            before = original.result()
+            self.top_ops_before, self.findings_before = before.top(10), advise(before)
+            self.attach_profiles(original=before)
+            if optimized is not None:
+                after = optimized.result()
+                self.top_ops_after, self.findings_after = after.top(10), advise(after)
+                self.op_comparison = compare(before, after, labels=("original", "optimized"))
+                self.attach_profiles(original=before, optimized=after)
+        except Exception as e:  # a profiler problem must not cost the user the report
+            self.notes.append(f"profiling failed: {type(e).__name__}: {e}")
 
     def attach_profiles(self, **profiles: Any) -> None:
         """The ProfileResults the report's tables came from (``original=``, ``optimized=``):

@@ -259,12 +259,19 @@ def test_compile_before_optimizing_is_refused():
         fast.compile()
 
 
-def test_the_saved_report_has_each_profiled_step_with_its_tables_and_charts(tmp_path, attn):
+def test_the_saved_report_has_each_profiled_step_with_its_tables_and_charts(tmp_path, attn, monkeypatch):
     import json
+
+    from rewriter import profiling
     model, x = attn
+    built = []
+    real = profiling.result_from_torch
+    monkeypatch.setattr(profiling, "result_from_torch", lambda *a: built.append(a[3]) or real(*a))
     fast = rewriter.optimize(model, (x,), gate=QUICK, progress=False, clock=ControlledClock(FAST),
                              knowledge_base=False)  # profile=True: the default
+    assert built == []  # optimize() profiled both steps; their tables wait for a reader
     assert fast.report.top_ops_before and fast.report.top_ops_after
+    assert built == ["original", "optimized"]
     fast.report.save(tmp_path)
     for label in ("original", "optimized"):
         table = tmp_path / "profile" / label / "operators.md"

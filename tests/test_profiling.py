@@ -386,3 +386,42 @@ def test_optimize_report_names_the_top_operators_model_line_and_roofline():
     md = Report("Block", "cpu", "training", None, top_ops_before=rows).to_markdown()
     assert ("1. `aten::mm` 60.0% (6.00 ms, 2 calls) — `Block.forward` model.py:7 `y = x @ w`, and its "
             "backward; compute-bound, 35% of peak compute") in md
+
+
+def test_a_recorded_profile_builds_its_tables_once_and_only_when_asked(monkeypatch):
+    model, x = _Net(), torch.randn(4, 16)
+    built = []
+    real = profiling.result_from_torch
+    monkeypatch.setattr(profiling, "result_from_torch", lambda *a: built.append(1) or real(*a))
+    recorded = profiling.record_run(lambda: model(x), "cpu", label="net", peaks=None)
+    assert not built and not recorded.built  # the steps ran; no table yet
+    result = recorded.result()
+    assert built == [1] and recorded.built and result.label == "net"
+    assert any(r.name == "aten::addmm" for r in result.rows)  # _Net's Linear
+    assert recorded.result() is result and built == [1]  # kept, not built again
+    assert result.page_faults == recorded.page_faults
+
+
+def test_a_report_builds_its_tables_from_recorded_profiles_on_first_read():
+    from rewriter.report import Report
+    model, x = _Net(), torch.randn(4, 16)
+    before = profiling.record_run(lambda: model(x), "cpu", label="original", peaks=None)
+    after = profiling.record_run(lambda: model(x), "cpu", label="optimized", peaks=None)
+    report = Report("Net", "cpu", "inference", None)
+    report.profiles_later(before, after)
+    assert not before.built and not after.built
+    assert report.top_ops_before and report.top_ops_after  # the first read builds both
+    assert before.built and after.built and report.op_comparison is not None
+    saved = report.to_dict()
+    assert saved["top_ops_before"] and saved["op_comparison"] is not None
+
+
+def test_a_table_that_cannot_be_built_is_a_note_in_the_report():
+    from rewriter.report import Report
+
+    def broken():
+        raise RuntimeError("kineto gave no events")
+    report = Report("Net", "cpu", "inference", None)
+    report.profiles_later(profiling.RecordedProfile(broken, None))
+    assert report.top_ops_before == []
+    assert "profiling failed: RuntimeError: kineto gave no events" in report.to_markdown()
