@@ -3,6 +3,7 @@ Inductor cache and an empty knowledge base of its own::
 
     python -m benchmarks.cold_one_time --out benchmarks            # llama gpt2 bert, training
     python -m benchmarks.cold_one_time --models bert --configs compile optimize_steps20k
+    python -m benchmarks.cold_one_time --models mistral phi3 --configs compile optimize_steps20k
     python -m benchmarks.cold_one_time --quick                     # tiny sizes: checks it runs
 
 In ``benchmarks.run`` every configuration shares one process and one Inductor cache: a
@@ -77,9 +78,11 @@ def markdown(rows: list[dict], command: str, machine: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.configs import CONFIG_NAMES
+    from benchmarks.models import ALL_MODEL_NAMES
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.cold_one_time", description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=DEFAULT_MODELS)
+    p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=ALL_MODEL_NAMES,
+                   help=f"default: {' '.join(DEFAULT_MODELS)}")
     p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=CONFIG_NAMES)
     p.add_argument("--quick", action="store_true", help="tiny sizes (checks the script runs)")
     p.add_argument("--out", help="folder for COLD_ONE_TIME.md and cold_one_time.json")

@@ -26,6 +26,8 @@ Signatures (all keyword options have defaults):
   restores the model's parameters, gradients, optimizer state and RNG.
 * ``profile_run(run, device=None, *, settings=ProfileSettings(), out_dir=None, label="profile",
   top_k=15) -> ProfileResult``: profiles calls of any ``run()``.
+* ``record_run(run, device=None, *, settings=ProfileSettings(), label="profile") ->
+  RecordedProfile``: the steps profiled now, the tables built at the first ``.result()``.
 * ``compare(before, after, *, min_change=0.10, min_ms=0.01, labels=None) -> Comparison``.
 * ``plot_top_ops(before, after=None, path=..., *, top_k=10, labels=...) -> str | None``: PNG,
   or None without matplotlib (the text tables never need it).
