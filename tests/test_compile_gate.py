@@ -104,6 +104,19 @@ def test_a_slower_compile_is_rejected_and_the_eager_graphs_run(mlp):
     assert fake.calls == before and fast.report.kept_passes == ["a"]
 
 
+def test_the_progress_says_a_compile_is_starting_and_about_how_long_it_takes(mlp, caplog):
+    import logging
+    model, x = mlp
+    with caplog.at_level(logging.INFO, logger="rewriter.progress"):
+        _opt(model, (x,), ControlledClock({"a": 0.5, "compile": 0.5}), FakeCompiler(),
+             passes=[RewriteRelu("a")])
+    lines = [r.getMessage() for r in caplog.records if r.name == "rewriter.progress"]
+    starting = [i for i, m in enumerate(lines) if m.startswith("rewriter: compile (fake): compiling, about")]
+    decided = [i for i, m in enumerate(lines) if m.startswith("rewriter: compile (fake): kept")]
+    assert len(starting) == 1 and decided and starting[0] < decided[0], lines
+    assert "predicted from" in lines[starting[0]] and "graph nodes" in lines[starting[0]]
+
+
 def test_a_compile_within_noise_is_not_kept(mlp):
     model, x = mlp
     fast = _opt(model, (x,), ControlledClock({"compile": 1.0}, jitter=0.05), FakeCompiler())

@@ -51,6 +51,7 @@ from rewriter.capture.front_ends import DynamoCapture, FxCapture
 from rewriter.capture.ir import structure_signature
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.amortize import DEFAULT_STEPS, MAX_SAVING, Payback, predict_compile_seconds
+from rewriter.decide.compile_size import compile_nodes
 from rewriter.decide.gate import Step, decide, known_verdict, measure, saved_ms
 from rewriter.decide.job import switched
 from rewriter.decide.knowledge import entry_key
@@ -130,7 +131,10 @@ class CompileGate:
                 if skip is not None:
                     r.report.decisions.append(skip)
                     log.info("rewriter: compile (%s): not tried: %s", self._label(ex, original), skip.reason)
-                else:
+                else:  # the longest silence of a run: say what is coming
+                    cost, source, _ = self._predicted(ex, known, original)
+                    log.info("rewriter: compile (%s): compiling, about %.0f s (%s), then verifying "
+                             "and measuring", self._label(ex, original), cost, source)
                     tried.append(self._try(ex, steps, key, known, original))
             row = self._whole_not_offered(ex) or self._regional_not_offered(ex)
             if row is not None:
@@ -242,7 +246,7 @@ class CompileGate:
         r = self.run
         if not (self._weighed() and self._regional_one_candidate()):
             return None
-        cost = predict_compile_seconds(self._nodes(original=True), r.job.training)
+        cost = predict_compile_seconds(compile_nodes(r, original=True), r.job.training)
         return Decision(NAME, False, "not tried",
                         f"{self._label(ex, True)}: the regional compile ({self._label(ex, False)}) "
                         f"is the candidate; the whole model's compile (predicted {cost:.1f} s, growing "
@@ -316,12 +320,7 @@ class CompileGate:
         if steps is None:
             return None
         r = self.run
-        cache = cache_folder(r.settings.knowledge_base.path) if ex.backend == "inductor" else None
-        known_s = known.get("compile_seconds") if known else None
-        # a cold figure, and the cache it was compiled into still holds it: the next is warm
-        warm = known_s is not None and not known.get("compile_warm") and _cached(known, cache)
-        nodes = self._nodes(original, set_aside=bool(self._set_aside(ex)))
-        cost = predict_compile_seconds(nodes, r.job.training, known_s, warm)
+        cost, source, nodes = self._predicted(ex, known, original)
         known_ms = saved_ms(known)
         if known_ms is not None:
             saving, basis = known_ms / 1e3, "the knowledge base's"
@@ -330,34 +329,24 @@ class CompileGate:
         p = Payback(cost, saving, steps)
         if p.repays:
             return None
-        source = ("the knowledge base's figure" + (", warm cache" if warm else "")) if known_s is not None \
-            else f"predicted from {nodes} graph nodes"
         return Decision(NAME, False, "not tried",
                         f"{self._label(ex, original)}: would not repay within the run ({source}; saving {basis}): "
                         f"{p.describe()}", scope="step",  # no sites: nothing was compiled
                         measurement={"predicted_compile_seconds": round(cost, 3), "nodes": nodes,
                                      **p.to_dict()})
 
-    def _nodes(self, original: bool = False, set_aside: bool = False) -> int:
-        """Calls in the graphs the compiler gets: every graph the step runs, once (a regional
-        capture's block graph serves all its instances; the rewritten graphs when rewrites are
-        kept, else the original ones); the original model compiled whole beside kept rewrites:
-        every graph as often as it runs in a step (its trace unrolls the blocks); a generation
-        with nothing kept: one call's share of that. ``set_aside``: the regional compile with
-        kept rewrites set aside (counted on the original graphs)."""
+    def _predicted(self, ex: Executor, known: dict | None, original: bool) -> tuple[float, str, int]:
+        """Seconds the compile is expected to take, where that figure comes from, and the graph
+        calls it is handed."""
         r = self.run
-        gen = r.job.generation
-        if gen is not None and not r.kept and not original:
-            # a generation compiles its decode call's forward, whole (CompiledForward), whatever
-            # the capture: the step unrolls the prefill and each decode call, traces of about
-            # one size (graphs the step does not run, a whole capture's warm-up, count nothing)
-            unrolled = sum(s.calls * _calls_in(s.original) for s in r.cap.slots if s.calls > 0)
-            return round(unrolled / (1 + gen.decode_calls))
-        if original:
-            return sum(max(s.calls, 1) * _calls_in(s.original)
-                       for s in r.cap.slots if s.calls or s.block is None)
-        return sum(_calls_in(s.kept_run if r.kept and not set_aside else s.original)
-                   for s in r.cap.slots if s.calls or s.block is None)
+        cache = cache_folder(r.settings.knowledge_base.path) if ex.backend == "inductor" else None
+        known_s = known.get("compile_seconds") if known else None
+        # a cold figure, and the cache it was compiled into still holds it: the next is warm
+        warm = known_s is not None and not known.get("compile_warm") and _cached(known, cache)
+        nodes = compile_nodes(r, original, set_aside=bool(self._set_aside(ex)))
+        source = ("the knowledge base's figure" + (", warm cache" if warm else "")) if known_s is not None \
+            else f"predicted from {nodes} graph nodes"
+        return predict_compile_seconds(nodes, r.job.training, known_s, warm), source, nodes
 
     def _cache(self, ex: Executor) -> str | None:
         """Inductor's persistent cache folder, set beside the knowledge base unless set."""
@@ -583,11 +572,6 @@ class CompileGate:
                                         f"the model compiled with {ex.name} runs")
         r.report.final["compiled"] = ex.name
         r.report.notes.append(f"compiled with {ex.name} (gated on the whole step)")
-
-
-def _calls_in(gm: Any) -> int:
-    """A graph's calls (its nodes that compute), what a compile's cost is predicted from."""
-    return sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
 
 
 def _figure_of(d: Decision) -> str:
