@@ -789,3 +789,31 @@ def test_a_region_long_enough_to_be_timed_once_needs_only_a_step_s_fewest_pairs(
     clock = ControlledClock({"a": 0.5}, base=one_call_s)
     _opt(model, (x,), [RewriteRelu("a")], clock)
     assert _region_samples(clock, "a") == pairs
+
+
+def test_a_region_whose_fewest_pairs_cannot_fit_in_the_budget_left_is_not_started(blocks, monkeypatch):
+    # each region call takes 1 s (the controlled clock): its fewest pairs need ~2 x (warm-up +
+    # fewest pairs) s, more than a 5 s budget holds; neither verified nor measured, it says so
+    from rewriter.decide import regions
+    measured, verified = [], []
+    real_measure, real_verify = regions.measure_region, regions.verify_region
+    monkeypatch.setattr(regions, "measure_region", lambda *a, **k: measured.append(1) or real_measure(*a, **k))
+    monkeypatch.setattr(regions, "verify_region", lambda *a, **k: verified.append(1) or real_verify(*a, **k))
+    model, x = blocks
+    fast = _opt(model, (x,), [RewriteRelu("a"), RewriteRelu("b")], ControlledClock({"a": 0.5, "b": 0.5}, base=1.0),
+                time_budget=5.0)
+    for name in ("a", "b"):
+        d = _decision(fast, name)
+        assert d.status == "not reached" and not d.kept, d.reason
+        assert all("fewest pairs need about" in r["reason"] for r in d.regions), d.regions
+    assert measured == [] and verified == []
+
+
+def test_the_least_a_region_comparison_takes_is_its_warm_up_and_fewest_pairs_of_two_samples():
+    from rewriter.decide.site_gate import ONE_CALL_IS_ENOUGH_S, least_measuring_seconds
+    g = QUICK
+    long_call = 2 * ONE_CALL_IS_ENOUGH_S  # timed once: a step's fewest pairs, one call a sample
+    assert least_measuring_seconds(long_call, g) == pytest.approx(2 * long_call * (g.warmup + g.min_pairs))
+    tiny = 1e-6  # repeated to make a sample of region_sample_seconds; a short region's pairs
+    fewest = max(g.min_pairs, min(g.region_min_pairs, g.max_pairs))
+    assert least_measuring_seconds(tiny, g) == pytest.approx(2 * g.region_sample_seconds * (g.warmup + fewest))

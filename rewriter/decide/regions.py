@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -24,6 +25,7 @@ from rewriter.decide.knowledge import entry_key
 from rewriter.decide.site_gate import (
     REGION_TIMING,
     held_for_backward,
+    least_measuring_seconds,
     measure_region,
     original_ms,
     verify_region,
@@ -178,6 +180,10 @@ class RegionDecisions:
             # the decisions still to come would spend better
             row.update(status="not reached", reason="the time budget ran out before measuring it")
             return row
+        too_long = None if known is not None else self._cannot_finish(first, overlay)
+        if too_long:
+            row.update(status="not reached", reason=too_long)
+            return row
         with self._phase("verify"):
             worst = Comparison(True)
             sample = _verify_sample(members)
@@ -206,6 +212,10 @@ class RegionDecisions:
             return row
         if self._out_of_time():
             row.update(status="not reached", reason="the time budget ran out before measuring it")
+            return row
+        too_long = self._cannot_finish(first, overlay)  # the verification took its time
+        if too_long:
+            row.update(status="not reached", reason=too_long)
             return row
         slot, r = members[0]
         too_small, once_ms = self._too_small_to_measure(r, self._values(values, slot, r), overlay,
@@ -303,6 +313,20 @@ class RegionDecisions:
                 once = original_ms(r, values, self.job.training, clock=self.clock,
                                    forms=self._forms(r, overlay))
         return self._negligible_original(once, sites), once
+
+    def _cannot_finish(self, r: Region, overlay: Any) -> str:
+        """Why the region is not compared at all ("" when it is): the budget has less left
+        than its comparison's fewest pairs need, as far as the scan's timing of one call tells
+        (:func:`least_measuring_seconds`), so the seconds go to the decisions still to come."""
+        once = self._scanned_ms(r) if overlay is None else None
+        if once is None or self.decide_by is None:
+            return ""
+        left = self.decide_by - time.perf_counter()
+        need = least_measuring_seconds(once / 1e3, self.settings.gate)
+        if need <= left:
+            return ""
+        return (f"the time budget ran out before measuring it: {max(left, 0.0):.1f} s left, its "
+                f"fewest pairs need about {need:.1f} s ({once:.0f} ms a call)")
 
     def _negligible_original(self, once_ms: float, sites: int) -> str:
         """Why a region whose original takes ``once_ms`` a call is not worth comparing ("" when

@@ -213,10 +213,7 @@ def measure_region(region: Region, values: list[Recorded], training: bool, *, cl
         reps = repeats_for(original_seconds, settings.region_sample_seconds)
         base = Step(_repeated(a, reps), (), "original region", scope="region", reps=reps)
         cand = Step(_repeated(b, reps), (region.pass_name,), "replacement", scope="region", reps=reps)
-        # short samples: more of them before a verdict; a region long enough to be timed once
-        # (an LM head's loss, ~110 ms) has samples like a step's, and a step's fewest pairs
-        fewest = settings.min_pairs if original_seconds >= ONE_CALL_IS_ENOUGH_S else \
-            max(settings.min_pairs, min(settings.region_min_pairs, settings.max_pairs))
+        fewest = region_fewest_pairs(original_seconds, settings)
         quick_warmup = dataclasses.replace(settings, warmup_seconds=settings.region_warmup_seconds,
                                            budget_seconds=min(settings.budget_seconds,
                                                               settings.region_budget_seconds),
@@ -224,6 +221,25 @@ def measure_region(region: Region, values: list[Recorded], training: bool, *, cl
                                            min_pairs=fewest)
         return measure(base, cand, clock=clock, settings=quick_warmup, min_speedup=min_speedup,
                        deadline=deadline)
+
+
+def region_fewest_pairs(original_seconds: float, settings: GateSettings) -> int:
+    """The fewest pairs a region's verdict stands on. Short samples: more of them; a region
+    long enough to be timed once (an LM head's loss, ~110 ms) has samples like a step's, and
+    a step's fewest pairs."""
+    if original_seconds >= ONE_CALL_IS_ENOUGH_S:
+        return settings.min_pairs
+    return max(settings.min_pairs, min(settings.region_min_pairs, settings.max_pairs))
+
+
+def least_measuring_seconds(original_seconds: float, settings: GateSettings) -> float:
+    """About the least a region's comparison takes: its warm-up runs and fewest pairs of two
+    samples, each sample one call or the repeats that make ``region_sample_seconds``, the
+    replacement taken as long as the original. A budget with less left than this would end
+    the comparison before any verdict: LLaMA 32k at steps=100 spent 3.6 s verifying and
+    timing the kept LM-head output (~0.2 s a call) for one pair and "not reached"."""
+    sample = max(original_seconds, settings.region_sample_seconds)
+    return 2 * sample * (settings.warmup + region_fewest_pairs(original_seconds, settings))
 
 
 def original_ms(region: Region, values: list[Recorded], training: bool, *, clock: Clock,
