@@ -180,7 +180,7 @@ class RegionDecisions:
             # the decisions still to come would spend better
             row.update(status="not reached", reason="the time budget ran out before measuring it")
             return row
-        too_long = None if known is not None else self._cannot_finish(first, overlay)
+        too_long = None if known is not None else self._cannot_finish(p, first, overlay)
         if too_long:
             row.update(status="not reached", reason=too_long)
             return row
@@ -213,7 +213,7 @@ class RegionDecisions:
         if self._out_of_time():
             row.update(status="not reached", reason="the time budget ran out before measuring it")
             return row
-        too_long = self._cannot_finish(first, overlay)  # the verification took its time
+        too_long = self._cannot_finish(p, first, overlay)  # the verification took its time
         if too_long:
             row.update(status="not reached", reason=too_long)
             return row
@@ -314,19 +314,20 @@ class RegionDecisions:
                                    forms=self._forms(r, overlay))
         return self._negligible_original(once, sites), once
 
-    def _cannot_finish(self, r: Region, overlay: Any) -> str:
+    def _cannot_finish(self, p: Pass, r: Region, overlay: Any) -> str:
         """Why the region is not compared at all ("" when it is): the budget has less left
-        than its comparison's fewest pairs need, as far as the scan's timing of one call tells
-        (:func:`least_measuring_seconds`), so the seconds go to the decisions still to come."""
+        than its comparison's fewest pairs need at the least, as far as the scan's timing of
+        one call tells (:func:`least_measuring_seconds`), so the seconds go to the decisions
+        still to come."""
         once = self._scanned_ms(r) if overlay is None else None
         if once is None or self.decide_by is None:
             return ""
         left = self.decide_by - time.perf_counter()
-        need = least_measuring_seconds(once / 1e3, self.settings.gate)
+        need = least_measuring_seconds(once / 1e3, self.settings.gate, p.saves_at_most)
         if need <= left:
             return ""
         return (f"the time budget ran out before measuring it: {max(left, 0.0):.1f} s left, its "
-                f"fewest pairs need about {need:.1f} s ({once:.0f} ms a call)")
+                f"fewest pairs need at least {need:.1f} s ({once:.0f} ms a call)")
 
     def _negligible_original(self, once_ms: float, sites: int) -> str:
         """Why a region whose original takes ``once_ms`` a call is not worth comparing ("" when
