@@ -132,7 +132,8 @@ def _method_lines(results: Results) -> list[str]:
         f"- **peak MB**: {MEMORY_METHOD}.",
         "- **optimize s**: wall time of the `optimize()` call (it measures every rewrite it tries; "
         f"default settings{', profile off, few pairs' if s.get('quick') else ''}; in brackets, the "
-        "part spent profiling the step before and after for the report; knowledge base: "
+        "part spent profiling the step before and after for the report, its tables built later, "
+        "when the report is first read; knowledge base: "
         f"{s.get('knowledge_base', 'not recorded')}). "
         "**first step s**: the first step after setup; for the torch.compile rows this is the "
         "compile (forward and backward). Inductor's cache is fresh at the start of the run and "
