@@ -91,6 +91,12 @@ class Report:
                 self._tables_from(*pending)
         return object.__getattribute__(self, name)
 
+    def __getstate__(self) -> dict:
+        """Pickled (``torch.save`` of the optimized model) or deep-copied: with its tables,
+        built now if still pending, never the profiler's events."""
+        self.top_ops_before  # noqa: B018 (the read builds pending tables)
+        return {k: v for k, v in self.__dict__.items() if k != "_pending_profiles"}
+
     def profiles_later(self, original: RecordedProfile, optimized: RecordedProfile | None = None) -> None:
         """The operator tables, advisor findings and comparison come from these recorded
         profiles, built when one of them is first read (``print(report)``, ``to_dict()``,

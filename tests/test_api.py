@@ -260,6 +260,7 @@ def test_compile_before_optimizing_is_refused():
 
 
 def test_the_saved_report_has_each_profiled_step_with_its_tables_and_charts(tmp_path, attn, monkeypatch):
+    import io
     import json
 
     from rewriter import profiling
@@ -270,8 +271,9 @@ def test_the_saved_report_has_each_profiled_step_with_its_tables_and_charts(tmp_
     fast = rewriter.optimize(model, (x,), gate=QUICK, progress=False, clock=ControlledClock(FAST),
                              knowledge_base=False)  # profile=True: the default
     assert built == []  # optimize() profiled both steps; their tables wait for a reader
-    assert fast.report.top_ops_before and fast.report.top_ops_after
+    torch.save(fast, io.BytesIO())  # the whole model pickles, its report with its tables
     assert built == ["original", "optimized"]
+    assert fast.report.top_ops_before and fast.report.top_ops_after
     fast.report.save(tmp_path)
     for label in ("original", "optimized"):
         table = tmp_path / "profile" / label / "operators.md"

@@ -425,3 +425,17 @@ def test_a_table_that_cannot_be_built_is_a_note_in_the_report():
     report.profiles_later(profiling.RecordedProfile(broken, None))
     assert report.top_ops_before == []
     assert "profiling failed: RuntimeError: kineto gave no events" in report.to_markdown()
+
+
+def test_a_report_with_tables_pending_pickles_with_its_tables():
+    import io
+    import pickle
+
+    from rewriter.report import Report
+    model, x = _Net(), torch.randn(4, 16)
+    report = Report("Net", "cpu", "inference", None)
+    report.profiles_later(profiling.record_run(lambda: model(x), "cpu", label="original", peaks=None))
+    loaded = pickle.loads(pickle.dumps(report))
+    assert loaded.top_ops_before and loaded.top_ops_before == report.top_ops_before
+    torch.save(report, io.BytesIO())  # as torch.save(model) of an optimized model does
+    assert "_pending_profiles" not in loaded.__dict__
