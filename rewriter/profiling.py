@@ -303,6 +303,9 @@ class RecordedProfile:
     def built(self) -> bool:
         return self._result is not None
 
+    def __getstate__(self) -> dict:  # pickled with its tables, not the profiler's events
+        return {"_result": self.result(), "_build": None, "page_faults": self.page_faults}
+
     def result(self) -> ProfileResult:
         if self._result is None:
             assert self._build is not None

@@ -400,6 +400,10 @@ def test_a_recorded_profile_builds_its_tables_once_and_only_when_asked(monkeypat
     assert any(r.name == "aten::addmm" for r in result.rows)  # _Net's Linear
     assert recorded.result() is result and built == [1]  # kept, not built again
     assert result.page_faults == recorded.page_faults
+    import pickle
+    pending = profiling.record_run(lambda: model(x), "cpu", label="net", peaks=None)
+    copied = pickle.loads(pickle.dumps(pending))  # with its tables, not the profiler's events
+    assert copied.built and copied.result().label == "net" and len(built) == 2
 
 
 def test_a_report_builds_its_tables_from_recorded_profiles_on_first_read():
