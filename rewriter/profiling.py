@@ -82,8 +82,8 @@ log = logging.getLogger(__name__)
 __all__ = [
     "OpRow", "KernelRow", "ProfileSettings", "ProfileResult", "OpChange", "Comparison",
     "open_profiler", "profile_run", "record_run", "RecordedProfile", "profile_model", "profile_step",
-    "compare", "plot_top_ops", "PeriodicProfiler", "rows_from_key_averages", "top_level_ops", "kineto_quiet", "is_python_frame",
-    "format_shapes", "top_line", "top_operator_lines",
+    "compare", "plot_top_ops", "PeriodicProfiler", "rows_from_key_averages", "top_level_ops",
+    "kineto_quiet", "is_python_frame", "format_shapes", "top_line", "top_operator_lines",
 ]
 
 
