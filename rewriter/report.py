@@ -86,16 +86,19 @@ class Report:
 
     def __getattribute__(self, name: str) -> Any:
         if name in _FROM_PROFILES:  # the first read builds the tables (profiles_later)
-            pending = object.__getattribute__(self, "__dict__").pop("_pending_profiles", None)
-            if pending is not None:
-                self._tables_from(*pending)
+            object.__getattribute__(self, "_build_pending_tables")()
         return object.__getattribute__(self, name)
 
     def __getstate__(self) -> dict:
         """Pickled (``torch.save`` of the optimized model) or deep-copied: with its tables,
         built now if still pending, never the profiler's events."""
-        self.top_ops_before  # noqa: B018 (the read builds pending tables)
-        return {k: v for k, v in self.__dict__.items() if k != "_pending_profiles"}
+        self._build_pending_tables()
+        return dict(self.__dict__)
+
+    def _build_pending_tables(self) -> None:
+        pending = self.__dict__.pop("_pending_profiles", None)
+        if pending is not None:
+            self._tables_from(*pending)
 
     def profiles_later(self, original: RecordedProfile, optimized: RecordedProfile | None = None) -> None:
         """The operator tables, advisor findings and comparison come from these recorded

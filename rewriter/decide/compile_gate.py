@@ -127,14 +127,14 @@ class CompileGate:
                 # the whole original model's compile grows with depth: weighed whenever the
                 # run's length is known, even when compiling was asked for
                 weigh = choice == "auto" or (original and r.settings.steps is not None)
-                skip = self._not_worth_compiling(ex, steps, known, original) if weigh else None
+                predicted = self._predicted(ex, known, original)
+                skip = self._not_worth_compiling(ex, steps, known, predicted, original) if weigh else None
                 if skip is not None:
                     r.report.decisions.append(skip)
                     log.info("rewriter: compile (%s): not tried: %s", self._label(ex, original), skip.reason)
                 else:  # the longest silence of a run: say what is coming
-                    cost, source, _ = self._predicted(ex, known, original)
                     log.info("rewriter: compile (%s): compiling, about %.0f s (%s), then verifying "
-                             "and measuring", self._label(ex, original), cost, source)
+                             "and measuring", self._label(ex, original), *predicted[:2])
                     tried.append(self._try(ex, steps, key, known, original))
             row = self._whole_not_offered(ex) or self._regional_not_offered(ex)
             if row is not None:
@@ -313,14 +313,14 @@ class CompileGate:
         return DEFAULT_STEPS if r.settings.compile == "auto" else None
 
     def _not_worth_compiling(self, ex: Executor, steps: int | None, known: dict | None,
-                             original: bool = False) -> Decision | None:
-        """A row saying why compiling is not tried, when its predicted cost cannot be repaid
-        within the run even at the best saving there is reason to expect (``known``: the
-        knowledge base's entry for this compile); None: try it."""
+                             predicted: tuple[float, str, int], original: bool = False) -> Decision | None:
+        """A row saying why compiling is not tried, when its predicted cost (:meth:`_predicted`)
+        cannot be repaid within the run even at the best saving there is reason to expect
+        (``known``: the knowledge base's entry for this compile); None: try it."""
         if steps is None:
             return None
         r = self.run
-        cost, source, nodes = self._predicted(ex, known, original)
+        cost, source, nodes = predicted
         known_ms = saved_ms(known)
         if known_ms is not None:
             saving, basis = known_ms / 1e3, "the knowledge base's"

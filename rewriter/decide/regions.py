@@ -180,8 +180,7 @@ class RegionDecisions:
             # the decisions still to come would spend better
             row.update(status="not reached", reason="the time budget ran out before measuring it")
             return row
-        too_long = None if known is not None else self._cannot_finish(p, first, overlay)
-        if too_long:
+        if known is None and (too_long := self._cannot_finish(p, first, overlay)):
             row.update(status="not reached", reason=too_long)
             return row
         with self._phase("verify"):
@@ -213,8 +212,7 @@ class RegionDecisions:
         if self._out_of_time():
             row.update(status="not reached", reason="the time budget ran out before measuring it")
             return row
-        too_long = self._cannot_finish(p, first, overlay)  # the verification took its time
-        if too_long:
+        if too_long := self._cannot_finish(p, first, overlay):  # the verification took its time
             row.update(status="not reached", reason=too_long)
             return row
         slot, r = members[0]

@@ -117,7 +117,8 @@ def fresh_pages_note(original: list[int], optimized: list[int],
     if before < at:
         return None
     return (f"host memory: the original step maps {before:.0f} fresh pages a step "
-            f"({pages_mib(before):.0f} MiB, the step check's median; the optimized step {after:.0f}): freed tensors go back to "
+            f"({pages_mib(before):.0f} MiB, the step check's median; the optimized step "
+            f"{after:.0f}): freed tensors go back to "
             "the system and come back as pages the kernel zeroes. rewriter.keep_freed_host_memory() "
             "keeps them in the process (the whole process's allocator, so optimize() leaves it "
             "to you)")
