@@ -480,7 +480,7 @@ def test_a_regional_model_runs_the_original_compiled_with_its_blocks_lifted_for_
     from rewriter.capture.install import FLAG
     from tests.test_regional import Block, Stack
 
-    monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a: 1e-3)
+    monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a, **k: 1e-3)
     torch.manual_seed(0)
     model, x = Stack(n=3).eval(), torch.randn(8, 16)
     with torch.no_grad():
@@ -527,7 +527,7 @@ def test_a_regional_bf16_training_step_has_one_compile_candidate_the_original_mo
     assert [d.status for d in fast.report.decisions if d.pass_name == "cast_to_half"] == ["superseded"]
     fast.restore()
 
-    monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a: 1e-3)  # repays
+    monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a, **k: 1e-3)  # repays
     inference = _opt(Stack(n=3).eval(), (x,), ControlledClock({"cast_to_half": 0.8, "compile": 0.7, "original": 0.5}),
                      FakeCompiler(), passes=["cast_to_half"], dtype=torch.bfloat16, device=Bf16Cpu(),
                      regional=True, steps=100_000)
@@ -631,7 +631,7 @@ def test_nothing_rewritten_kept_the_regional_compile_is_the_one_candidate(monkey
     """Nothing rewritten kept: the regional compile (every graph, a block's once) and the whole
     model's are the same code; the whole model's, unrolled and growing with depth, is not
     paid, whatever the regional one measured (a row says why)."""
-    monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a: 1e-3)
+    monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a, **k: 1e-3)
     model, x = _headed_stack()
     fast = _opt(model, (x,), ControlledClock({"compile": regional_factor, "original": 0.5}),
                 FakeCompiler(), passes=[], regional=True, steps=100_000)
@@ -646,7 +646,7 @@ def test_nothing_rewritten_kept_the_regional_compile_is_the_one_candidate(monkey
 def _compiler_makes_a_itself(monkeypatch):
     monkeypatch.setattr("rewriter.decide.compile_gate.FUSING_EXECUTORS", ("fake",))
     monkeypatch.setitem(compile_gate.COMPILER_DOES_ITSELF, "a", "a test rewrite the compiler makes")
-    monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a: 1e-3)
+    monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a, **k: 1e-3)
 
 
 def test_rewrites_the_compiler_makes_itself_are_set_aside_for_one_compile_of_the_original_graphs(monkeypatch):
@@ -684,6 +684,26 @@ def test_rewrites_the_compiler_makes_itself_are_set_aside_for_one_compile_of_the
         torch.testing.assert_close(again(x), want)
     fast.restore()
     again.restore()
+
+
+def test_a_whole_model_trace_is_predicted_to_cost_less_for_the_block_instances_it_repeats():
+    """The whole model's compile (not offered beside the regional one; its row gives its
+    predicted cost) unrolls the three blocks: the second and third instances' nodes are
+    predicted at REPEATED_NODE_FACTOR of a node's seconds, their kernels being the first's."""
+    from rewriter.decide.compile_size import calls_in
+    model, x = _headed_stack()
+    fast = _opt(model, (x,), ControlledClock(), FakeCompiler(), passes=[], regional=True, steps=100_000)
+    whole, = [d for d in fast.report.decisions if d.status == "not tried" and "(original model)" in d.reason
+              and "regional compile" in d.reason]
+    slots = fast._outcome.capture.slots
+    block, = [s for s in slots if s.calls > 1]
+    unrolled = sum(max(s.calls, 1) * calls_in(s.original) for s in slots)
+    repeated = (block.calls - 1) * calls_in(block.original)
+    assert block.calls == 3 and 0 < repeated < unrolled
+    predicted = predict_compile_seconds(unrolled, False, repeated=repeated)
+    assert whole.measurement["predicted_compile_seconds"] == pytest.approx(predicted, abs=1e-3)
+    assert predict_compile_seconds(unrolled - repeated, False) < predicted < predict_compile_seconds(unrolled, False)
+    fast.restore()
 
 
 def _relus(gm):

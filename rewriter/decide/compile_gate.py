@@ -25,7 +25,8 @@ machine). It is kept only when measurably faster::
 Compile seconds (the first compiled step) are reported apart from measuring: the phase
 "compile" and ``measurement["compile_seconds"]`` of the decision row. A compile is a one-time
 cost (rewriter.decide.amortize): with ``compile="auto"`` it is first predicted (the knowledge
-base's figure for the same graphs, else a fit on their node count) and not paid at all when
+base's figure for the same graphs, else a fit on their node count, a block's later instances
+unrolled by a whole-model trace at a fraction) and not paid at all when
 even saving half of every step would not repay it within the first tenth of the run
 (``optimize(steps=...)``, default 1000 for "auto"); a compiled form that measures faster is
 kept only when its measured saving repays its measured compile seconds within the run (with
@@ -51,7 +52,7 @@ from rewriter.capture.front_ends import DynamoCapture, FxCapture
 from rewriter.capture.ir import structure_signature
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.amortize import DEFAULT_STEPS, MAX_SAVING, Payback, predict_compile_seconds
-from rewriter.decide.compile_size import compile_nodes
+from rewriter.decide.compile_size import compile_nodes, repeated_nodes
 from rewriter.decide.gate import Step, decide, known_verdict, measure, saved_ms
 from rewriter.decide.job import switched
 from rewriter.decide.knowledge import entry_key
@@ -246,7 +247,8 @@ class CompileGate:
         r = self.run
         if not (self._weighed() and self._regional_one_candidate()):
             return None
-        cost = predict_compile_seconds(compile_nodes(r, original=True), r.job.training)
+        cost = predict_compile_seconds(compile_nodes(r, original=True), r.job.training,
+                                       repeated=repeated_nodes(r, original=True))
         return Decision(NAME, False, "not tried",
                         f"{self._label(ex, True)}: the regional compile ({self._label(ex, False)}) "
                         f"is the candidate; the whole model's compile (predicted {cost:.1f} s, growing "
@@ -344,9 +346,10 @@ class CompileGate:
         # a cold figure, and the cache it was compiled into still holds it: the next is warm
         warm = known_s is not None and not known.get("compile_warm") and _cached(known, cache)
         nodes = compile_nodes(r, original, set_aside=bool(self._set_aside(ex)))
+        again = repeated_nodes(r, original)
         source = ("the knowledge base's figure" + (", warm cache" if warm else "")) if known_s is not None \
-            else f"predicted from {nodes} graph nodes"
-        return predict_compile_seconds(nodes, r.job.training, known_s, warm), source, nodes
+            else f"predicted from {nodes} graph nodes" + (f", {again} of them repeated blocks" if again else "")
+        return predict_compile_seconds(nodes, r.job.training, known_s, warm, again), source, nodes
 
     def _cache(self, ex: Executor) -> str | None:
         """Inductor's persistent cache folder, set beside the knowledge base unless set."""

@@ -3,6 +3,7 @@
 
     nodes = compile_nodes(run)                  # the graphs as they now run, each once
     nodes = compile_nodes(run, original=True)   # the original model compiled whole
+    again = repeated_nodes(run, original=True)  # of those, the blocks' later instances
 """
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ def compile_nodes(run: RunView, original: bool = False, set_aside: bool = False)
                    for s in run.cap.slots if s.calls or s.block is None)
     return sum(calls_in(s.kept_run if run.kept and not set_aside else s.original)
                for s in run.cap.slots if s.calls or s.block is None)
+
+
+def repeated_nodes(run: RunView, original: bool = False) -> int:
+    """Of :func:`compile_nodes`' calls, those in a graph's second and later runs of a step: the
+    original model compiled whole traces each block instance again (its trace unrolls them),
+    and Inductor builds each distinct kernel once, so those cost tracing and lowering, not
+    building (:data:`rewriter.decide.amortize.REPEATED_NODE_FACTOR`). Every other form hands the
+    compiler each graph once: 0."""
+    if not original:
+        return 0
+    return sum((s.calls - 1) * calls_in(s.original) for s in run.cap.slots if s.calls > 1)
 
 
 def calls_in(gm: Any) -> int:
