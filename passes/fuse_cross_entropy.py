@@ -25,6 +25,14 @@ taking 6-20 ms as its tensors land on warm heap or fresh pages, this form 5.5-5.
 earlier unchunked form, an exploratory script): BERT 1.05-1.07x, GPT-2 1.03-1.06x, LLaMA
 1.01-1.04x.
 
+An fp32 upcast of the logits' own on the way to the loss (transformers' ``logits.float()``, then
+``view(-1, V)``) is dropped, the fused loss upcasting a chunk at a time: in fp32 it did nothing;
+under ``optimize(dtype=...)`` (cast_to_half, applied after) the half logits reach the loss as
+they are, not through a whole fp32 copy and a whole copy of its gradient back (1024 x 8000 bf16
+logits: two copies of ~2.3 ms each in LLaMA's bf16 step on the AMX Xeon). Their gradient is the
+fp32 one rounded once to their dtype, as ``.float()``'s backward rounds it; an incoming gradient
+other than 1 then scales the rounded values (one more rounding, within that dtype's tolerance).
+
 Safe when: the logits are 2-D fp32 with a 1-D integer target; no class weights, no label
 smoothing, no deprecated ``size_average``/``reduce``, reduction ``mean`` or ``sum``, a constant
 ``ignore_index``. Anything else is declined with the reason. The loss and the gradient equal
@@ -38,6 +46,7 @@ reused buffer Inductor's code does not have.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -46,43 +55,55 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from rewriter.capture.ir import arg, call_arguments, mark_new_node, static_number, tensor_info
+from rewriter.capture.ir import arg, call_arguments, is_op, mark_new_node, op_name, static_number, tensor_info
 from rewriter.devices import amp
 from rewriter.devices.kept_buffers import KeptBuffers, can_keep
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 
 class CrossEntropyGradInForward(torch.autograd.Function):
-    """``F.cross_entropy(logits, target, ignore_index=..., reduction=...)`` (2-D fp32 logits),
-    its gradient made in forward (see the module): per chunk of rows, the log-probabilities
-    (the kernel F.cross_entropy runs), the target's, then the softmax / count in place."""
+    """``F.cross_entropy(logits.float(), target, ignore_index=..., reduction=...)`` (2-D
+    logits), its gradient made in forward (see the module): per chunk of rows, the
+    log-probabilities (the kernel F.cross_entropy runs), the target's, then the softmax / count
+    in place. Half logits are upcast a chunk at a time and their gradient is rounded to their
+    dtype once, as ``.float()``'s backward does; the fp32 copy is never made whole."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
                 reduction: str) -> torch.Tensor:
         valid = target != ignore_index
         t = torch.where(valid, target, 0)[:, None]  # an ignored row reads class 0, weighs 0
-        count = valid.sum().to(logits.dtype)
+        f32 = dict(dtype=torch.float32, device=logits.device)
+        count = valid.sum().to(torch.float32)
         mean = reduction == "mean"
         # softmax / count = exp(log_softmax - log count); an ignored row's shift is +inf: 0
-        offset = torch.log(count) if mean else torch.zeros((), dtype=logits.dtype, device=logits.device)
+        offset = torch.log(count) if mean else torch.zeros((), **f32)
         shift = torch.where(valid, offset, math.inf)[:, None]
-        grad = gradient_buffer(logits)  # holds the log-probabilities first
-        picked = torch.empty_like(t, dtype=logits.dtype)
+        # the target's -1/count (-1 for a sum) on valid rows; where, not a product: 0/0
+        step = torch.where(valid, -1.0 / count if mean else -1.0, 0.0)[:, None]
+        grad = gradient_buffer(logits)  # holds the log-probabilities first (fp32 logits)
+        picked = torch.empty_like(t, dtype=torch.float32)
+        half = logits.dtype != torch.float32
         rows = chunk_rows(logits)
+        if half:  # one chunk's fp32 upcast and fp32 values, reused chunk after chunk
+            upcast, values = (torch.empty((rows, logits.shape[1]), **f32) for _ in range(2))
         for s in range(0, logits.shape[0], rows):  # a chunk stays in cache through its ops
-            g = grad[s:s + rows]
-            torch.log_softmax(logits[s:s + rows], 1, out=g)
+            n = min(rows, logits.shape[0] - s)
+            g = values[:n] if half else grad[s:s + rows]
+            x = upcast[:n].copy_(logits[s:s + rows]) if half else logits[s:s + rows]
+            torch.log_softmax(x, 1, out=g)
             torch.gather(g, 1, t[s:s + rows], out=picked[s:s + rows])
             if ctx.needs_input_grad[0]:
                 g.sub_(shift[s:s + rows])
                 g.exp_()
+                if half:  # the fp32 gradient, then rounded once into the logits' dtype
+                    g.scatter_add_(1, t[s:s + rows], step[s:s + rows])
+                    grad[s:s + rows].copy_(g)
         per_row = torch.where(valid, -picked[:, 0], 0.0)
         loss = per_row.sum() / count if mean else per_row.sum()
         if ctx.needs_input_grad[0]:
-            # the target's -1/count (-1 for a sum) on valid rows; where, not a product: 0/0
-            step = torch.where(valid, -1.0 / count if mean else -1.0, 0.0)
-            grad.scatter_add_(1, t, step[:, None].to(logits.dtype))
+            if not half:
+                grad.scatter_add_(1, t, step)
             # saved, so autograd lets it go once the graph is freed (the next step reuses the
             # buffer); backward scales it in place, and a second backward (retain_graph)
             # rescales it by the factor already applied
@@ -131,13 +152,13 @@ CHUNK_BYTES = 2 << 20  # CPU: a chunk of logits that stays in cache between its 
 
 
 def chunk_rows(logits: torch.Tensor) -> int:
-    """Rows per chunk: on CPU about ``CHUNK_BYTES`` of logits (2-core Xeon, 1024 x 8000 fp32,
-    forward + backward, medians of 25 runs of each form in turn, exploratory scripts: an earlier
-    form took 5.9-6.4 ms in chunks of 32 to 256 rows and 7.0-10.5 ms in one chunk); elsewhere all
-    rows at once (each chunk is a handful of kernel launches there)."""
+    """Rows per chunk: on CPU about ``CHUNK_BYTES`` of fp32 logits (2-core Xeon, 1024 x 8000
+    fp32, forward + backward, medians of 25 runs of each form in turn, exploratory scripts: an
+    earlier form took 5.9-6.4 ms in chunks of 32 to 256 rows and 7.0-10.5 ms in one chunk);
+    elsewhere all rows at once (each chunk is a handful of kernel launches there)."""
     if logits.device.type != "cpu":
         return max(1, logits.shape[0])
-    per_chunk = CHUNK_BYTES // max(1, logits.shape[1] * logits.element_size())
+    per_chunk = CHUNK_BYTES // max(1, logits.shape[1] * 4)  # half logits are worked on in fp32
     return max(1, min(logits.shape[0], per_chunk))
 
 
@@ -150,16 +171,19 @@ def _cpu_scalar(t: torch.Tensor) -> float | None:
 
 def fused_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                         reduction: str = "mean") -> torch.Tensor:
-    """``F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)`` for
-    [tokens, classes] fp32 logits, its gradient made in forward::
+    """``F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction)``
+    for [tokens, classes] logits (fp32, or half: computed in fp32 a chunk at a time), its
+    gradient made in forward::
 
         loss = fused_cross_entropy(logits.view(-1, vocab), labels.view(-1))
     """
     return CrossEntropyGradInForward.apply(logits, target, ignore_index, reduction)
 
 
-# the loss in fp32 under optimize(dtype=...), as F.cross_entropy is (cast_to_half's fp32 list)
-amp.FLOAT_OPS.add(fused_cross_entropy)
+# Not on cast_to_half's fp32 list: the loss is computed in fp32 whatever floating logits it is
+# given, so under optimize(dtype=...) half logits come in as they are, not through an fp32 copy
+# of the whole [tokens, vocab] tensor (and back for its gradient).
+amp.FLOAT_OPS.discard(fused_cross_entropy)
 
 
 def ce_arguments(gm: GraphModule, node: Node) -> dict[str, Any] | None:
@@ -231,6 +255,46 @@ class FuseCrossEntropy(Pass):
             mark_new_node(new, self.name, like=ce)
             ce.replace_all_uses_with(new)
             g.erase_node(ce)
+            _skip_upcast(g, a["input"])
+
+
+# the flattening between transformers' ``logits.float()`` and the loss: ``view(-1, V)``
+_RESHAPES = ("view", "reshape", "flatten")
+
+
+def _skip_upcast(g: Any, logits: Node) -> None:
+    """The loss's logits reached through an fp32 upcast of their own (transformers'
+    ``logits.float().view(-1, V)``, each node read by the next only): the flattening reads the
+    upcast's input instead and the upcast goes. The fused loss upcasts a chunk at a time, so
+    once cast_to_half makes the logits half the whole fp32 copy is not made (nor its gradient's
+    way back); in fp32 the upcast did nothing."""
+    chain, node = [], logits
+    while is_op(node, *_RESHAPES) and len(node.users) == 1:
+        chain.append(node)
+        node = node.args[0]
+    if not (_upcast_to_fp32(node) and len(node.users) == 1):
+        return
+    source = tensor_info(node.args[0])
+    for n in chain:  # the flattening now holds the source's dtype
+        info = tensor_info(n)
+        if info is not None:
+            n.meta["tensor_info"] = dataclasses.replace(info, dtype=source.dtype)
+    node.replace_all_uses_with(node.args[0])
+    g.erase_node(node)
+
+
+def _upcast_to_fp32(node: Any) -> bool:
+    """``x.float()``, ``x.to(torch.float32)`` or ``x.type(torch.float32)`` of a floating ``x``,
+    nothing else in the call (no device move)."""
+    if not is_op(node, "float", "to", "type") or not node.args:
+        return False
+    rest = list(node.args[1:]) + list(node.kwargs.values())
+    if op_name(node) == "float" and rest:
+        return False
+    if op_name(node) != "float" and rest != [torch.float32]:
+        return False
+    source = tensor_info(node.args[0])
+    return source is not None and source.dtype.is_floating_point
 
 
 register_pass(FuseCrossEntropy())

@@ -120,6 +120,76 @@ def test_no_gradient_wanted_is_the_loss_only():
         torch.testing.assert_close(fce.fused_cross_entropy(x, t), F.cross_entropy(x, t), **TOL)
 
 
+# the fp32 gradient rounded once to the half dtype both ways; an fp32 ulp apart before rounding
+# can land one half ulp apart after it
+HALF_TOL = {torch.bfloat16: dict(rtol=1.6e-2, atol=1e-6), torch.float16: dict(rtol=2e-3, atol=1e-6)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("chunk_bytes", [None, 5 * 300 * 4], ids=["one-chunk", "chunks-of-5-rows"])
+def test_half_logits_give_the_loss_and_gradient_of_their_fp32_upcast(dtype, chunk_bytes, monkeypatch):
+    """Half logits (cast_to_half's, the model's own upcast dropped): the loss of their exact
+    fp32 upcast, in fp32; the gradient in their dtype, the fp32 one rounded once as .float()'s
+    backward rounds it; an incoming gradient of 0.5 scales it (one more rounding)."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(fce, "CHUNK_BYTES", chunk_bytes)
+    x, t = _pair(ignored=7)
+    x = x.to(dtype)
+    assert fce.chunk_rows(x) == (5 if chunk_bytes else 40)  # rows of fp32 work, not of half logits
+    for scale in (1.0, 0.5):
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ref, got = F.cross_entropy(a.float(), t), fce.fused_cross_entropy(b, t)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, ref, **TOL)
+        (ref * scale).backward()
+        (got * scale).backward()
+        assert b.grad.dtype == dtype
+        torch.testing.assert_close(b.grad, a.grad, **HALF_TOL[dtype])
+
+
+class UpcastHead(torch.nn.Module):
+    """transformers' ForCausalLMLoss in small: the logits returned, their fp32 upcast flattened
+    into the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 30)
+
+    def forward(self, x, y):
+        logits = self.proj(x)
+        return F.cross_entropy(logits.float().view(-1, 30), y.view(-1)), logits
+
+
+def test_the_logits_own_upcast_is_dropped_so_half_logits_reach_the_loss_as_they_are():
+    """Under optimize(dtype=bf16) with cast_to_half kept, the projection's bf16 output reaches
+    the fused loss through the flattening only: no whole fp32 copy of the logits, none of their
+    gradient back; the training step stays within bf16's tolerance of fp32's."""
+    from rewriter.capture.ir import is_op
+    from tests.controlled import Bf16Cpu
+    torch.manual_seed(0)
+    model = UpcastHead()
+    twin = UpcastHead()
+    twin.load_state_dict(model.state_dict())
+    kwargs = {"x": torch.randn(4, 6, 8), "y": torch.randint(0, 30, (4, 6))}
+    fast, opt = rewriter.optimize(model, kwargs, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                  loss_fn=lambda out: out[0], dtype=torch.bfloat16, device=Bf16Cpu(),
+                                  passes=["fuse_cross_entropy", "cast_to_half"],
+                                  clock=ControlledClock(costs={"fuse_cross_entropy": 0.7, "cast_to_half": 0.7}),
+                                  gate=QUICK, profile=False, progress=False, knowledge_base=False)
+    assert fast.report.kept_passes == ["fuse_cross_entropy", "cast_to_half"]
+    graph = fast._outcome.capture.slots[0].kept_run.graph
+    loss, = [n for n in graph.nodes if n.target is fce.fused_cross_entropy]
+    flat = loss.args[0]
+    assert is_op(flat, "view") and is_op(flat.args[0], "linear"), graph  # no cast between
+    out, ref = fast(**kwargs), twin(**kwargs)
+    torch.testing.assert_close(out[0], ref[0], rtol=1.6e-2, atol=1e-2)
+    out[0].backward()
+    ref[0].backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1.6e-2, atol=1e-2, msg=name)
+    fast.restore()
+
+
 class Head(torch.nn.Module):
     def __init__(self, loss):
         super().__init__()
