@@ -40,12 +40,16 @@ def _floating(value: object) -> bool:
     return info is not None and info.dtype.is_floating_point
 
 
-def _known_dtype(value: Node, half: torch.dtype) -> torch.dtype | None:
+def _known_dtype(value: Node, half: torch.dtype, region: bool = False) -> torch.dtype | None:
     """The dtype ``value`` certainly has once the casts are in, or None when it depends.
 
     Only what is certain: a half-list op makes half, an fp32-list op fp32, an explicit cast its
-    dtype, an input or parameter its own. Anything else gets a cast, which costs nothing when
-    the tensor already has that dtype (``Tensor.to`` returns it unchanged).
+    dtype, a parameter its own, an input its own unless ``region`` (a region graph measured
+    under the precision overlay gets its inputs as the overlaid model makes them, half where a
+    half-list op made them: an fp32-list op on one must cast it, as it does in the model, or
+    the region's original form runs that op in half and is timed for what the model does not
+    run). Anything else gets a cast, which costs nothing when the tensor already has that
+    dtype (``Tensor.to`` returns it unchanged).
     """
     precision = amp.precision_of(value) if value.op in ("call_function", "call_method") else None
     if precision == "half":
@@ -54,7 +58,7 @@ def _known_dtype(value: Node, half: torch.dtype) -> torch.dtype | None:
         return torch.float32
     if value.op == "call_method" and value.target == "to" and isinstance(value.args[-1], torch.dtype):
         return value.args[-1]
-    if value.op in ("placeholder", "get_attr"):
+    if value.op == "get_attr" or (value.op == "placeholder" and not region):
         info = tensor_info(value)
         return info.dtype if info is not None else None
     return None
@@ -119,7 +123,7 @@ class CastToHalf(Pass):
             if precision == "half" and any(_integer_valued(a) for a in _tensor_args(node)):
                 continue  # integer values in half lose exactness (module docstring)
             want = ctx.dtype if precision == "half" else torch.float32
-            casts = [a for a in _tensor_args(node) if _known_dtype(a, ctx.dtype) != want]
+            casts = [a for a in _tensor_args(node) if _known_dtype(a, ctx.dtype, ctx.region) != want]
             if casts:
                 label = str(want).replace("torch.", "")
                 sites.append(Site(node, f"{node.name}: {label}{amp.forced_note(node)}", (want, casts)))

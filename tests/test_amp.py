@@ -291,3 +291,28 @@ def test_an_op_on_integer_values_held_as_floats_stays_fp32():
         half = (model.inv_freq[None, :, None].expand(b, -1, 1).bfloat16() @ positions[:, None, :].bfloat16())
         exact = model.inv_freq[None, :, None].expand(b, -1, 1) @ positions[:, None, :].float()
         assert (half.float().cos() - exact.cos()).abs().max() > 0.5
+
+
+def test_in_a_region_graph_an_fp32_op_casts_its_inputs_which_may_arrive_half():
+    """A region measured under the precision overlay gets its inputs as the overlaid model makes
+    them (an LM head's bf16 logits into the loss): the loss casts them to fp32 there as it does
+    in the model, so the region's original form is not timed running the loss in bf16. In the
+    whole graph a placeholder's dtype is the model input's own: no cast."""
+    from rewriter.capture.front_ends import capture
+    from rewriter.capture.ir import copy_graph_module
+    from rewriter.pass_api import PassContext
+
+    class Loss(torch.nn.Module):
+        def forward(self, logits, target):
+            return F.cross_entropy(logits, target)
+
+    kwargs = {"logits": torch.randn(6, 10), "target": torch.randint(0, 10, (6,))}
+    cap = capture(Loss(), (), kwargs, "auto")
+    cap(**kwargs)
+    gm = cap.slots[0].original
+    from passes.cast_to_half import CastToHalf
+    p = CastToHalf()
+    for region, casts in ((True, 1), (False, 0)):
+        ctx = PassContext(Bf16Cpu(), True, dtype=torch.bfloat16, region=region)
+        sites = p.find(copy_graph_module(gm), ctx)
+        assert sum(len(s.match[1]) for s in sites) == casts, (region, sites)
