@@ -97,7 +97,9 @@ class CastToHalf(Pass):
     name = "cast_to_half"
     scope = "step"  # the precision of the whole graph: measured on the whole step
     sets_precision = True
-    version = 3  # 2: inference casts model tensors once (WeightCast); 3: integer values stay fp32
+    # 2: inference casts model tensors once (WeightCast); 3: integer values stay fp32; 4: in a
+    # region graph an fp32-list op casts its inputs (they may arrive half)
+    version = 4
     contract = "reduced"
     devices = frozenset({"cpu", "cuda", "npu"})
 

@@ -56,7 +56,6 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from rewriter.capture.ir import arg, call_arguments, is_op, mark_new_node, op_name, static_number, tensor_info
-from rewriter.devices import amp
 from rewriter.devices.kept_buffers import KeptBuffers, can_keep
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
@@ -81,9 +80,11 @@ class CrossEntropyGradInForward(torch.autograd.Function):
         shift = torch.where(valid, offset, math.inf)[:, None]
         # the target's -1/count (-1 for a sum) on valid rows; where, not a product: 0/0
         step = torch.where(valid, -1.0 / count if mean else -1.0, 0.0)[:, None]
-        grad = gradient_buffer(logits)  # holds the log-probabilities first (fp32 logits)
-        picked = torch.empty_like(t, dtype=torch.float32)
+        wants_grad = ctx.needs_input_grad[0]
         half = logits.dtype != torch.float32
+        # fp32 logits: holds the log-probabilities first; half: only the gradient
+        grad = gradient_buffer(logits) if wants_grad or not half else None
+        picked = torch.empty_like(t, dtype=torch.float32)
         rows = chunk_rows(logits)
         if half:  # one chunk's fp32 upcast and fp32 values, reused chunk after chunk
             upcast, values = (torch.empty((rows, logits.shape[1]), **f32) for _ in range(2))
@@ -93,7 +94,7 @@ class CrossEntropyGradInForward(torch.autograd.Function):
             x = upcast[:n].copy_(logits[s:s + rows]) if half else logits[s:s + rows]
             torch.log_softmax(x, 1, out=g)
             torch.gather(g, 1, t[s:s + rows], out=picked[s:s + rows])
-            if ctx.needs_input_grad[0]:
+            if wants_grad:
                 g.sub_(shift[s:s + rows])
                 g.exp_()
                 if half:  # the fp32 gradient, then rounded once into the logits' dtype
@@ -101,7 +102,7 @@ class CrossEntropyGradInForward(torch.autograd.Function):
                     grad[s:s + rows].copy_(g)
         per_row = torch.where(valid, -picked[:, 0], 0.0)
         loss = per_row.sum() / count if mean else per_row.sum()
-        if ctx.needs_input_grad[0]:
+        if wants_grad:
             if not half:
                 grad.scatter_add_(1, t, step)
             # saved, so autograd lets it go once the graph is freed (the next step reuses the
@@ -180,10 +181,10 @@ def fused_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index
     return CrossEntropyGradInForward.apply(logits, target, ignore_index, reduction)
 
 
-# Not on cast_to_half's fp32 list: the loss is computed in fp32 whatever floating logits it is
-# given, so under optimize(dtype=...) half logits come in as they are, not through an fp32 copy
-# of the whole [tokens, vocab] tensor (and back for its gradient).
-amp.FLOAT_OPS.discard(fused_cross_entropy)
+# Not on cast_to_half's fp32 list (rewriter.devices.amp.FLOAT_OPS), unlike F.cross_entropy: the
+# loss is computed in fp32 whatever floating logits it is given, so under optimize(dtype=...)
+# half logits come in as they are, not through an fp32 copy of the whole [tokens, vocab] tensor
+# (and back for its gradient).
 
 
 def ce_arguments(gm: GraphModule, node: Node) -> dict[str, Any] | None:
@@ -231,6 +232,7 @@ def why_not(a: dict[str, Any]) -> str | None:
 class FuseCrossEntropy(Pass):
     name = "fuse_cross_entropy"
     contract = "exact"
+    version = 2  # 2: the logits' own fp32 upcast dropped, half logits upcast a chunk at a time
 
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
         sites = []

@@ -406,3 +406,7 @@ def test_the_cross_entropy_benchmark_runs(capsys):
     assert cross_entropy.main(["--rows", "8", "--classes", "16", "--rounds", "1", "--pairs", "6"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Machine: ") and "round 1: " in out and "x ±" in out
+    assert cross_entropy.main(["--rows", "8", "--classes", "16", "--rounds", "1", "--pairs", "6",
+                               "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16 logits" in out and "F.cross_entropy(logits.float())" in out and "round 1: " in out

@@ -124,6 +124,28 @@ def test_figures_timed_an_older_way_are_measured_again_not_replayed(tmp_path, bl
     assert d.kept and d.regions[0]["source"] == "measured" and _region_samples(clock, "a") > 0
 
 
+def test_figures_timed_under_an_older_precision_pass_are_measured_again(tmp_path, blocks, monkeypatch):
+    """With dtype=bf16 a region's two forms are timed with cast_to_half's casts in: figures
+    timed under another version of it are not replayed."""
+    from passes.cast_to_half import CastToHalf
+    from tests.controlled import Bf16Cpu
+    model, x = blocks
+    kb = tmp_path / "kb.json"
+
+    def run(costs):
+        clock = ControlledClock(costs)
+        fast = _opt(model, (x,), [RewriteRelu("a"), "cast_to_half"], clock, knowledge_base=kb,
+                    dtype=torch.bfloat16, device=Bf16Cpu())
+        return _decision(fast, "a").regions[0]["source"], _region_samples(clock, "a")
+
+    monkeypatch.setattr(CastToHalf, "version", CastToHalf.version - 1)
+    assert run({"a": 0.5, "cast_to_half": 0.7})[0] == "measured"
+    assert run({"a": 0.5, "cast_to_half": 0.7})[0] == "knowledge base"  # it was stored
+    monkeypatch.undo()
+    source, samples = run({"a": 0.5, "cast_to_half": 0.7})
+    assert source == "measured" and samples > 0
+
+
 def test_a_rejection_in_the_knowledge_base_is_replayed_as_a_rejection(tmp_path, blocks):
     model, x = blocks
     kb = tmp_path / "kb.json"

@@ -246,9 +246,12 @@ class RegionDecisions:
         return row
 
     def _region_key(self, p: Pass, r: Region, precision: str | None) -> str:
+        extra = {**self.job.backend.knowledge_key(), "region timing": REGION_TIMING}
+        if precision is not None:  # both forms were timed with the precision pass's casts in
+            extra["precision passes"] = ",".join(f"{q.name} v{q.version}" for q in self.passes
+                                                 if q.sets_precision)
         return entry_key(r.signature_text(self.job.backend.name, mode_of(self.ctx), p.version,
-                                          precision),
-                         {**self.job.backend.knowledge_key(), "region timing": REGION_TIMING})
+                                          precision), extra)
 
     def _known_row(self, key: str, sites: int) -> dict | None:
         """The knowledge base's figures for a signature, judged under today's margin, as the
