@@ -55,7 +55,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from rewriter.capture.ir import arg, call_arguments, is_op, mark_new_node, op_name, static_number, tensor_info
+from rewriter.capture.ir import (arg, call_arguments, is_op, mark_new_node, op_name, single_user, static_number,
+                                 tensor_info)
 from rewriter.devices.kept_buffers import KeptBuffers, can_keep
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
@@ -271,10 +272,10 @@ def _skip_upcast(g: Any, logits: Node) -> None:
     once cast_to_half makes the logits half the whole fp32 copy is not made (nor its gradient's
     way back); in fp32 the upcast did nothing."""
     chain, node = [], logits
-    while is_op(node, *_RESHAPES) and len(node.users) == 1:
+    while is_op(node, *_RESHAPES) and single_user(node):
         chain.append(node)
         node = node.args[0]
-    if not (_upcast_to_fp32(node) and len(node.users) == 1):
+    if not (_upcast_to_fp32(node) and single_user(node)):
         return
     source = tensor_info(node.args[0])
     for n in chain:  # the flattening now holds the source's dtype

@@ -298,6 +298,7 @@ def test_in_a_region_graph_an_fp32_op_casts_its_inputs_which_may_arrive_half():
     them (an LM head's bf16 logits into the loss): the loss casts them to fp32 there as it does
     in the model, so the region's original form is not timed running the loss in bf16. In the
     whole graph a placeholder's dtype is the model input's own: no cast."""
+    from passes.cast_to_half import CastToHalf
     from rewriter.capture.front_ends import capture
     from rewriter.capture.ir import copy_graph_module
     from rewriter.pass_api import PassContext
@@ -310,7 +311,6 @@ def test_in_a_region_graph_an_fp32_op_casts_its_inputs_which_may_arrive_half():
     cap = capture(Loss(), (), kwargs, "auto")
     cap(**kwargs)
     gm = cap.slots[0].original
-    from passes.cast_to_half import CastToHalf
     p = CastToHalf()
     for region, casts in ((True, 1), (False, 0)):
         ctx = PassContext(Bf16Cpu(), True, dtype=torch.bfloat16, region=region)
