@@ -127,3 +127,43 @@ def test_a_pass_that_can_save_only_a_share_of_its_regions_is_weighed_by_that_sha
                       profile=False, progress=False, knowledge_base=False)
     measured = [s[0] for s in clock.seen if len(s) == 1 and s[0] in ("cool", "hot")]
     assert measured[0] == "cool" and "hot" in measured
+
+
+class ReplaceAndRetouch(Replace):
+    """Replace, and also replaces each call of ``also``, which no site accounts for: its change
+    is not local, so it is measured on the whole step (as fuse_cross_entropy is when it drops
+    the logits' upcast)."""
+
+    def __init__(self, name, target, also):
+        super().__init__(name, target)
+        self.also, self.also_fn = also, _marking(f"{name}_also", also)
+
+    def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
+        super().apply(gm, sites, ctx)
+        for n in list(gm.graph.nodes):
+            if n.op == "call_function" and n.target is self.also:
+                with gm.graph.inserting_after(n):
+                    new = gm.graph.call_function(self.also_fn, n.args, n.kwargs)
+                    mark_new_node(new, self.name, like=n)
+                n.replace_all_uses_with(new)
+                gm.graph.erase_node(n)
+
+
+class ThreeBranches(nn.Module):
+    def forward(self, small, large, other):
+        return torch.tanh(small).sum() + F.softmax(large, dim=-1).sum() + torch.relu(other).sum()
+
+
+def test_a_pass_measured_on_the_whole_step_is_ordered_by_all_it_changes():
+    small, large, other = torch.randn(4, 4), torch.randn(512, 2048), torch.randn(4, 4)
+    clock = OriginalsOnTheWall({"cool": 0.5, "hot": 0.5})
+    fast = rewriter.optimize(ThreeBranches(), (small, large, other),
+                             passes=[Replace("cool", torch.tanh),
+                                     ReplaceAndRetouch("hot", F.softmax, torch.relu)],
+                             clock=clock, gate=dataclasses.replace(QUICK, negligible=0.0),
+                             profile=False, progress=False, knowledge_base=False)
+    hot = next(d for d in fast.report.decisions if d.pass_name == "hot")
+    assert hot.scope == "step" and "not local" in hot.reason and hot.kept
+    # its softmax is ~10 000 times the tanh: measured first, though registered second
+    measured = [s[0] for s in clock.seen if len(s) == 1 and s[0] in ("cool", "hot")]
+    assert measured[0] == "hot" and "cool" in measured

@@ -20,7 +20,9 @@ what decides whether two sites are "the same": measured once, stored in the know
 A site may name the nodes it ``covers``: ones the rewrite changes without a new name (an int64
 chain recomputed in int32 reads the same calls, yet every value in it changes dtype).
 A pass whose change is not local (nodes that write in place, changes no site accounts for)
-gets a reason instead of regions, and the gate measures it on the whole step.
+gets a reason instead of regions, and the gate measures it on the whole step; where only the
+latter holds, ``require_sites=False`` still cuts out what it changes (for the order passes are
+measured in, rewriter.decide.hot_first).
 """
 from __future__ import annotations
 
@@ -118,8 +120,10 @@ class _Union:
 
 
 def find_regions(kept: GraphModule, candidate: GraphModule, sites: list[Site], pass_name: str,
-                 slot: str) -> list[Region] | str:
-    """The regions ``candidate`` differs from ``kept`` in, or why they cannot be cut out."""
+                 slot: str, require_sites: bool = True) -> list[Region] | str:
+    """The regions ``candidate`` differs from ``kept`` in, or why they cannot be cut out.
+    ``require_sites=False``: a change no site accounts for is a region too (with no sites):
+    what a pass that is measured on the whole step reaches, to order it among the others."""
     k_nodes = {n.name: n for n in kept.graph.nodes}
     c_nodes = {n.name: n for n in candidate.graph.nodes}
     covered = {n.name if isinstance(n, Node) else n for s in sites for n in s.covers}
@@ -179,7 +183,7 @@ def find_regions(kept: GraphModule, candidate: GraphModule, sites: list[Site], p
     for g in groups.values():
         if not g["outputs"]:
             continue  # dead nodes the rewrite erased, read by nothing
-        if not g["sites"]:
+        if not g["sites"] and require_sites:
             return "it changes nodes that no site accounts for"
         regions.append(_region(kept, candidate, g, shared, pairs, order, pass_name, slot))
     if not regions:

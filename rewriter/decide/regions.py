@@ -41,12 +41,14 @@ log = logging.getLogger("rewriter.progress")
 class RegionDecisions:
     """Run's methods that decide a site-scope pass region signature by region signature."""
 
-    def _regions(self, p: Pass, sites: dict[str, list]) -> tuple[list[tuple[GraphSlot, Region]] | None, str]:
+    def _regions(self, p: Pass, sites: dict[str, list],
+                 require_sites: bool = True) -> tuple[list[tuple[GraphSlot, Region]] | None, str]:
         found: list[tuple[GraphSlot, Region]] = []
         for slot in self.cap.slots:
             if slot.candidate is None or slot.calls == 0:  # a graph the step no longer runs
                 continue
-            regions = find_regions(slot.kept, slot.candidate, sites[slot.name], p.name, slot.name)
+            regions = find_regions(slot.kept, slot.candidate, sites[slot.name], p.name, slot.name,
+                                   require_sites)
             if isinstance(regions, str):
                 return None, f"its change is not local ({regions})"
             found += [(slot, r) for r in regions]
