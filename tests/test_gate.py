@@ -1,12 +1,13 @@
 """The gate's decisions, with controlled times (no wall-clock thresholds)."""
 import dataclasses
 import math
+import random
 
 import pytest
 import torch
 
 import rewriter
-from rewriter.decide.gate import GateSettings, Measurement, Step, decide, measure
+from rewriter.decide.gate import GateSettings, Measurement, Step, clearly_one_way, decide, measure
 from tests.controlled import QUICK, ControlledClock, RewriteRelu
 from tests.models import ReluMLP
 
@@ -138,6 +139,63 @@ def test_measure_stops_early_once_conclusive():
                 settings=GateSettings(warmup=0, warmup_seconds=0, max_warmup=0, min_pairs=5,
                                       max_pairs=50))
     assert m.pairs == 5 and not math.isnan(m.speedup)
+
+
+WHOLE = GateSettings(warmup=0, warmup_seconds=0, max_warmup=0, min_pairs=8, max_pairs=40)
+
+
+def _whole_step(clock, min_speedup=1.05):
+    a, b = Step(lambda: None, (), "a"), Step(lambda: None, ("x",), "b")
+    return measure(a, b, clock=clock, settings=WHOLE, min_speedup=min_speedup,
+                   early=clearly_one_way(min_speedup, WHOLE))
+
+
+@pytest.mark.parametrize("cost, kept", [(0.5, True), (2.0, False)])
+def test_a_whole_step_decision_far_past_the_line_stops_at_its_few_pairs(cost, kept):
+    m = _whole_step(ControlledClock({"x": cost}))
+    assert m.decided_early and m.pairs == WHOLE.step_early_pairs < WHOLE.min_pairs
+    assert m.storable(WHOLE.min_pairs)  # answered: worth a knowledge-base entry
+    assert decide(m, 1.05)[0] is kept
+
+
+def test_a_whole_step_decision_near_the_line_takes_its_fewest_pairs():
+    m = _whole_step(ControlledClock({"x": 1 / 1.12}))  # 1.12x: past 1.05, not by 10 %
+    assert not m.decided_early and m.pairs >= WHOLE.min_pairs
+    assert decide(m, 1.05)[0]
+
+
+def test_bursts_of_load_never_give_an_early_keep():
+    # truly the same speed; another process's load slows half the samples, of either variant,
+    # by 1.2-3x: flagged or not, an early verdict would be a keep the load made up
+    for seed in range(40):
+        rng = random.Random(seed)
+        clock = ControlledClock({"x": 1.0}, interference=lambda call, step: (
+            rng.uniform(1.2, 3.0) if rng.random() < 0.5 else 1.0))
+        m = _whole_step(clock)
+        assert not m.decided_early, seed
+        assert not decide(m, 1.05)[0], seed
+
+
+def test_samples_of_one_variant_that_disagree_are_no_early_verdict():
+    # every pair 2x, but the baseline's samples spread 1.0-1.3x among themselves: measured on
+    spread = iter([1.0, 1.3, 1.15, 1.0, 1.3, 1.15, 1.0, 1.3] * 10)
+    clock = ControlledClock({"x": 0.5}, jitter=0.0,
+                            interference=lambda call, step: 1.0 if step.passes else next(spread))
+    m = _whole_step(clock)
+    assert not m.decided_early and m.pairs >= WHOLE.min_pairs
+
+
+class StepRelu(RewriteRelu):
+    scope = "step"  # measured on the whole step
+
+
+def test_optimize_decides_a_whole_step_pass_far_past_the_line_on_its_few_pairs(mlp):
+    model, x = mlp
+    gate = dataclasses.replace(QUICK, min_pairs=8, max_pairs=12)
+    fast = rewriter.optimize(model, (x,), passes=[StepRelu("s")], clock=ControlledClock({"s": 0.5}),
+                             gate=gate, profile=False, progress=False, knowledge_base=False)
+    d = _decision(fast, "s")
+    assert d.kept and d.scope == "step" and d.measurement["pairs"] == gate.step_early_pairs
 
 
 def test_a_pair_that_would_end_past_the_deadline_is_not_started(monkeypatch):

@@ -53,7 +53,7 @@ from rewriter.capture.ir import structure_signature
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.amortize import DEFAULT_STEPS, MAX_SAVING, Payback, predict_compile_seconds
 from rewriter.decide.compile_size import compile_nodes, repeated_nodes
-from rewriter.decide.gate import Step, decide, known_verdict, measure, saved_ms
+from rewriter.decide.gate import Step, clearly_one_way, decide, known_verdict, measure, saved_ms
 from rewriter.decide.job import switched
 from rewriter.decide.knowledge import entry_key
 from rewriter.decide.run_view import RunView
@@ -379,7 +379,8 @@ class CompileGate:
                 r.deadline, time.perf_counter() + 2 * r._confirm_reserve())
             with r._phase("measure"):
                 m = measure(r.composed_step(), self._step(runner), clock=r.clock, settings=g,
-                            min_speedup=r.settings.min_speedup, deadline=deadline)
+                            min_speedup=r.settings.min_speedup, deadline=deadline,
+                            early=clearly_one_way(r.settings.min_speedup, g))
             r.snapshot.restore()
             keep, reason = decide(m, r.settings.min_speedup, g.noise_widths)
             m_dict = m.to_dict()

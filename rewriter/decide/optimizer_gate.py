@@ -22,7 +22,7 @@ import hashlib
 import json
 from typing import Any, Collection
 
-from rewriter.decide.gate import Clock, GateSettings, Step, decide, known_verdict, measure, saved_ms
+from rewriter.decide.gate import Clock, GateSettings, Step, clearly_one_way, decide, known_verdict, measure, saved_ms
 from rewriter.decide.job import Job
 from rewriter.decide.knowledge import KnowledgeBase, entry_key
 from rewriter.decide.param_sample import sample_parameters
@@ -97,7 +97,8 @@ def gate_optimizer(job: Job, clock: Clock, settings: GateSettings, min_speedup: 
             quick = dataclasses.replace(settings, warmup_seconds=settings.region_warmup_seconds)
             m = measure(Step(base.step, (), "optimizer step", scope="optimizer"),
                         Step(fused.step, ("fuse_optimizer",), "fused step", scope="optimizer"),
-                        clock=clock, settings=quick, min_speedup=min_speedup, deadline=deadline)
+                        clock=clock, settings=quick, min_speedup=min_speedup, deadline=deadline,
+                        early=clearly_one_way(min_speedup, quick))
             keep, reason = decide(m, min_speedup, settings.noise_widths)
             # (finite figures or None: a cut-short warm-up has no pair)
             figures = {**m.to_dict(), "sample": sample.to_dict()}

@@ -14,7 +14,7 @@ from rewriter import plan as plans
 from rewriter.capture.ir import structure_signature
 from rewriter.decide import memory
 from rewriter.decide.confirm import KeptUnit
-from rewriter.decide.gate import Step, decide, figure, known_verdict, measure, saved_ms
+from rewriter.decide.gate import Step, clearly_one_way, decide, figure, known_verdict, measure, saved_ms
 from rewriter.decide.job import switched
 from rewriter.decide.kept import KeptPass, mode_of, overlay_for
 from rewriter.decide.knowledge import entry_key
@@ -56,7 +56,8 @@ class StepDecisions:
                 m = measure(self._variant_step(False, base, "kept"),
                             self._variant_step(True, base + (p.name,), "candidate"),
                             clock=self.clock, settings=self.settings.gate,
-                            min_speedup=self.settings.min_speedup, deadline=self.decide_by)
+                            min_speedup=self.settings.min_speedup, deadline=self.decide_by,
+                            early=clearly_one_way(self.settings.min_speedup, self.settings.gate))
             keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
             peaks = self._peaks(self._variant_step(False, base, "kept"),
                                 self._variant_step(True, base + (p.name,), "candidate"), m)
