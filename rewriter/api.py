@@ -109,7 +109,7 @@ def optimize(
             else ``~/.cache/rewriter/knowledge_base.json``; False: not kept.
         time_budget: seconds optimize() may spend deciding (profiling aside); what it did not
             reach is reported as not reached, never kept unmeasured. None: no bound. With
-            ``steps`` given, at most a quarter of the run's length (at least 8 s).
+            ``steps`` given, at most a tenth of the run's length (at least 8 s).
         front_end: "auto" (symbolic_trace when it captures the whole model, else Dynamo),
             "fx" or "dynamo".
         profile: profile the step before and after once, for the report's operator tables.
@@ -148,7 +148,7 @@ def optimize(
             kept where it repays within it. The trainer integrations pass theirs
             (transformers' ``max_steps``, Lightning's ``estimated_stepping_batches``). None:
             1000 for ``compile="auto"`` (a short fine-tuning run), not weighed for others.
-            Known, it also bounds deciding: ``time_budget`` becomes at most a quarter of the
+            Known, it also bounds deciding: ``time_budget`` becomes at most a tenth of the
             run (at least 8 s). With a generation workload, a step is one prefill and its
             decode calls.
         generate: inference of a model that generates with a KV cache (rewriter.decide.generation):

@@ -511,14 +511,14 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         return None if self.deadline is None else self.deadline - self.started
 
     def _fit_budget_to_the_run(self) -> None:
-        """With ``steps`` known, deciding gets at most a quarter of the run (rewriter.decide.amortize)."""
+        """With ``steps`` known, deciding gets at most a tenth of the run (rewriter.decide.amortize)."""
         s = self.settings
         budget = deciding_budget(s.time_budget, s.steps, self.step_seconds)
         self.run_is_short = budget is not None and budget != s.time_budget
         if self.run_is_short:
             self.deadline = self.started + budget
             self.report.notes.append(
-                f"time budget: {budget:.0f} s, a quarter of the run (steps={s.steps} of about "
+                f"time budget: {budget:.0f} s, a tenth of the run (steps={s.steps} of about "
                 f"{1e3 * self.step_seconds:.0f} ms; at least {MIN_BUDGET:.0f} s)")
 
     def _profiles(self) -> bool:

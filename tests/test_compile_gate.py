@@ -404,14 +404,14 @@ def test_with_dtype_the_original_model_compiled_runs_under_autocast_when_faster(
     torch.testing.assert_close(out.float(), model(x), rtol=1.6e-2, atol=1e-2)
 
 
-def test_a_short_run_gets_a_quarter_of_its_length_to_decide_in_and_no_report_profile():
+def test_a_short_run_gets_a_tenth_of_its_length_to_decide_in_and_no_report_profile():
     torch.manual_seed(0)
     model = ReluMLP().train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     fast, _ = rewriter.optimize(model, (torch.randn(8, 16),), optimizer=opt, steps=10,
                                 loss_fn=lambda out: out.pow(2).mean(), gate=QUICK, progress=False,
                                 clock=ControlledClock({"fuse_optimizer": 0.3}), knowledge_base=False)
-    assert any(n.startswith("time budget: 8 s, a quarter of the run") for n in fast.report.notes)
+    assert any(n.startswith("time budget: 8 s, a tenth of the run") for n in fast.report.notes)
     assert "profile" not in fast.report.phases and any("profile: skipped" in n for n in fast.report.notes)
     # the optimizer, decided first, is reached however tight the budget
     d = next(d for d in fast.report.decisions if d.pass_name == "fuse_optimizer")
@@ -420,9 +420,10 @@ def test_a_short_run_gets_a_quarter_of_its_length_to_decide_in_and_no_report_pro
 
 def test_budget_arithmetic():
     assert deciding_budget(60.0, None, 0.5) == 60.0  # steps unknown: the time budget
-    assert deciding_budget(60.0, 100, 0.5) == 12.5  # a quarter of 100 steps of 0.5 s
+    assert deciding_budget(60.0, 100, 0.5) == MIN_BUDGET  # a tenth of 100 steps of 0.5 s: 5 s
+    assert deciding_budget(60.0, 300, 0.5) == 15.0  # a tenth of 300 steps of 0.5 s
     assert deciding_budget(60.0, 10, 0.5) == MIN_BUDGET
-    assert deciding_budget(60.0, 10**6, 0.5) == 60.0 and deciding_budget(None, 10**6, 0.5) == 125_000
+    assert deciding_budget(60.0, 10**6, 0.5) == 60.0 and deciding_budget(None, 10**6, 0.5) == 50_000
 
 
 # --- the original model compiled, beside kept rewrites ----------------------------------------

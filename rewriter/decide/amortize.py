@@ -16,8 +16,9 @@ after 2038 steps of 20000)::
     Payback(20.0, 0.009, 20_000).repays_in_run  # True: paid already, repaid by step 2223
 
 optimize()'s own deciding is a one-time cost too: with ``steps`` known, it gets at most a
-quarter of the run's length (:func:`deciding_budget`, never under ``MIN_BUDGET``), and a run
-that short is not profiled for the report unless asked (``profile=True``).
+tenth of the run's length, as a compile does (:func:`deciding_budget`, never under
+``MIN_BUDGET``), and a run that short is not profiled for the report unless asked
+(``profile=True``).
 
 Before compiling, the cost is predicted (:func:`predict_compile_seconds`) and the saving
 bounded from above by ``MAX_SAVING`` of the step, so a job too short to repay even that best
@@ -31,7 +32,11 @@ from dataclasses import dataclass
 DEFAULT_STEPS = 1000  # steps=None with compile="auto": a short fine-tuning run
 REPAY_FRACTION = 0.1  # a one-time cost must be repaid within the first tenth of the run
 MAX_SAVING = 0.5  # before measuring: the most of a step a compiler is assumed to save
-BUDGET_FRACTION = 0.25  # of the run's length, at most, for optimize() to decide in
+# Of the run's length, at most, for optimize() to decide in. It was a quarter: LLaMA with 32 000
+# words, steps=100 of ~0.6 s (2-core Xeon with AMX, fp32, `.diag` runs): 13.6 s of deciding kept
+# the fused optimizer (~5 s back over the run), the loss not reached (its whole-step pairs did not
+# fit), so the run took longer than eager's; a tenth (the floor, 8 s) keeps the same, for less.
+BUDGET_FRACTION = REPAY_FRACTION
 MIN_BUDGET = 8.0  # seconds: capture and the first measurements of a small transformer
 # A warm persistent Inductor cache (rewriter.devices.compile_cache): `python -m
 # benchmarks.compile_cache` gave 5.1 s against 24.1 s cold (llama, training, 2-core AMD EPYC,
