@@ -295,7 +295,8 @@ def clearly_one_way(min_speedup: float, settings: GateSettings) -> Callable[[Mea
     variant, alike within 10 %, and none of the other's (a burst in each sample with chance p:
     p**4 (1-p)**4, at most 0.4 %, and rarer still alike; without this rule, the six fewest
     pairs: p**6 (1-p)**6). A kept fused AdamW (2.8x), precision (1.8x), loss (1.2x) or compile
-    (1.25x) is past it and stops there (LLaMA, bf16, the Xeon with AMX: 2.3 s less deciding)."""
+    (1.25x) is past it and stops there (LLaMA, bf16, the Xeon with AMX, `.diag` run: the whole-
+    step measuring 7.5 -> 6.0 s)."""
     g = settings
     fast, slow = min_speedup * (1 + g.step_early_margin), min_speedup / (1 + g.step_early_margin)
 
