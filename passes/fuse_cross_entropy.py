@@ -245,7 +245,11 @@ class FuseCrossEntropy(Pass):
             if reason is not None:
                 ctx.decline(n.name, reason)
             else:
-                sites.append(Site(n, f"{n.name} (cross-entropy, gradient made in forward)", a))
+                # the upcast apply() drops, and the flattening it retypes, are the site's too:
+                # its region holds them, so the loss is decided on its region, not the step
+                chain, upcast = _upcast_chain(a["input"])
+                covers = tuple(chain) + (upcast,) if upcast is not None else ()
+                sites.append(Site(n, f"{n.name} (cross-entropy, gradient made in forward)", a, covers))
         return sites
 
     def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
@@ -265,17 +269,25 @@ class FuseCrossEntropy(Pass):
 _RESHAPES = ("view", "reshape", "flatten")
 
 
-def _skip_upcast(g: Any, logits: Node) -> None:
-    """The loss's logits reached through an fp32 upcast of their own (transformers'
-    ``logits.float().view(-1, V)``, each node read by the next only): the flattening reads the
-    upcast's input instead and the upcast goes. The fused loss upcasts a chunk at a time, so
-    once cast_to_half makes the logits half the whole fp32 copy is not made (nor its gradient's
-    way back); in fp32 the upcast did nothing."""
+def _upcast_chain(logits: Node) -> tuple[list[Node], Node | None]:
+    """(the flattening between the loss and the logits' own fp32 upcast, the upcast), each node
+    read by the next only (transformers' ``logits.float().view(-1, V)``); no upcast: ([], None)."""
     chain, node = [], logits
     while is_op(node, *_RESHAPES) and single_user(node):
         chain.append(node)
         node = node.args[0]
     if not (_upcast_to_fp32(node) and single_user(node)):
+        return [], None
+    return chain, node
+
+
+def _skip_upcast(g: Any, logits: Node) -> None:
+    """The loss's logits reached through an fp32 upcast of their own (:func:`_upcast_chain`):
+    the flattening reads the upcast's input instead and the upcast goes. The fused loss upcasts
+    a chunk at a time, so once cast_to_half makes the logits half the whole fp32 copy is not
+    made (nor its gradient's way back); in fp32 the upcast did nothing."""
+    chain, node = _upcast_chain(logits)
+    if node is None:
         return
     source = tensor_info(node.args[0])
     for n in chain:  # the flattening now holds the source's dtype

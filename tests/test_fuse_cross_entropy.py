@@ -160,6 +160,26 @@ class UpcastHead(torch.nn.Module):
         return F.cross_entropy(logits.float().view(-1, 30), y.view(-1)), logits
 
 
+def test_the_dropped_upcast_is_the_sites_own_so_the_loss_is_decided_on_its_region():
+    """The upcast the rewrite drops (and the flattening it retypes) are covered by the site:
+    one region holds them with the loss, and the loss is measured there, not on the whole step
+    (on LLaMA, bf16, 0.7 s of deciding instead of 2.2 s)."""
+    torch.manual_seed(0)
+    model = UpcastHead()
+    kwargs = {"x": torch.randn(4, 6, 8), "y": torch.randint(0, 30, (4, 6))}
+    gm = capture(model, (), kwargs).slots[0].original
+    site, = fce.FuseCrossEntropy().find(gm, PassContext(CpuBackend(), training=True))
+    assert [n.target for n in site.covers] == ["view", "float"]
+    fast, _ = rewriter.optimize(model, kwargs, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                loss_fn=lambda out: out[0], passes=["fuse_cross_entropy"],
+                                clock=ControlledClock(costs={"fuse_cross_entropy": 0.7}),
+                                gate=QUICK, profile=False, progress=False, knowledge_base=False)
+    d = next(d for d in fast.report.decisions if d.pass_name == "fuse_cross_entropy")
+    assert d.kept and d.scope == "site" and d.reason.startswith("region"), d.reason
+    region, = d.regions
+    assert region["boundary"][0].startswith("float32[4, 6, 30]")  # from the logits, upcast in
+
+
 def test_the_logits_own_upcast_is_dropped_so_half_logits_reach_the_loss_as_they_are():
     """Under optimize(dtype=bf16) with cast_to_half kept, the projection's bf16 output reaches
     the fused loss through the flattening only: no whole fp32 copy of the logits, none of their

@@ -131,8 +131,7 @@ def test_a_pass_that_can_save_only_a_share_of_its_regions_is_weighed_by_that_sha
 
 class ReplaceAndRetouch(Replace):
     """Replace, and also replaces each call of ``also``, which no site accounts for: its change
-    is not local, so it is measured on the whole step (as fuse_cross_entropy is when it drops
-    the logits' upcast)."""
+    is not local, so it is measured on the whole step."""
 
     def __init__(self, name, target, also):
         super().__init__(name, target)

@@ -21,10 +21,10 @@ Without a recording (a graph the run did not reach), the regions' tensor bytes s
 A pass never overtakes an earlier one whose regions share a node with its own (the two compose
 in the registered order: the later one is built on the earlier one's rewrite), nor one whose
 reach is unknown (nodes written in place). A pass measured on the whole step because it changes
-nodes no site accounts for (the loss that also drops the logits' upcast) is ordered by all it
-changes (``find_regions(require_sites=False)``): the same LLaMA at ``steps=100`` on the Xeon
-with AMX ordered the loss (~110 ms a step) behind the three block passes it shares no node
-with, and the budget ran out before it (".diag" run, fp32: "not reached ... after 0 pair(s)").
+nodes no site accounts for is ordered by all it changes (``find_regions(require_sites=False)``):
+held at its registered place, the loss (~115 ms a step of the same LLaMA, when its dropped
+upcast was not yet its site's) waited behind the three block passes it shares no node with,
+and the budget ran out before it (".diag" run, fp32, the Xeon with AMX).
 Passes without sites are decided first, as registered (on the graphs they were scanned on:
 their reasons are unchanged).
 """
