@@ -55,8 +55,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from rewriter.capture.ir import (arg, call_arguments, is_op, mark_new_node, op_name, single_user, static_number,
-                                 tensor_info)
+from rewriter.capture.ir import (arg, call_arguments, is_op, is_upcast_to_fp32, mark_new_node, single_user,
+                                 static_number, tensor_info)
 from rewriter.devices.kept_buffers import KeptBuffers, can_keep
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
@@ -276,7 +276,7 @@ def _upcast_chain(logits: Node) -> tuple[list[Node], Node | None]:
     while is_op(node, *_RESHAPES) and single_user(node):
         chain.append(node)
         node = node.args[0]
-    if not (_upcast_to_fp32(node) and single_user(node)):
+    if not (is_upcast_to_fp32(node) and single_user(node)):
         return [], None
     return chain, node
 
@@ -296,20 +296,6 @@ def _skip_upcast(g: Any, logits: Node) -> None:
             n.meta["tensor_info"] = dataclasses.replace(info, dtype=source.dtype)
     node.replace_all_uses_with(node.args[0])
     g.erase_node(node)
-
-
-def _upcast_to_fp32(node: Any) -> bool:
-    """``x.float()``, ``x.to(torch.float32)`` or ``x.type(torch.float32)`` of a floating ``x``,
-    nothing else in the call (no device move)."""
-    if not is_op(node, "float", "to", "type") or not node.args:
-        return False
-    rest = list(node.args[1:]) + list(node.kwargs.values())
-    if op_name(node) == "float" and rest:
-        return False
-    if op_name(node) != "float" and rest != [torch.float32]:
-        return False
-    source = tensor_info(node.args[0])
-    return source is not None and source.dtype.is_floating_point
 
 
 register_pass(FuseCrossEntropy())

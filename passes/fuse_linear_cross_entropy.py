@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from rewriter.capture.ir import arg, call_arguments, is_cast, is_op, mark_new_node, static_number, tensor_info
+from rewriter.capture.ir import (arg, call_arguments, is_cast, is_op, is_upcast_to_fp32, mark_new_node, static_number,
+                                 tensor_info)
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
 
 # --- the fused computation ----------------------------------------------------------------------
@@ -252,9 +253,8 @@ def match(ce: Node) -> LceMatch | str | None:
     chain.append(node)
     node = node.args[0]
     if is_cast(node):
-        out = tensor_info(node)
-        if out is None or out.dtype != torch.float32:
-            return "the logits are cast to something other than fp32"
+        if not is_upcast_to_fp32(node):
+            return "the logits are cast to something other than fp32, or moved or laid out anew"
         chain.append(node)
         node = node.args[0]
     softcap = None

@@ -305,3 +305,19 @@ def test_optimize_rejects_it_when_slower():
                                 gate=QUICK, profile=False, progress=False, knowledge_base=False)
     d = next(d for d in fast.report.decisions if d.pass_name == "fuse_cross_entropy")
     assert not d.kept and d.status == "rejected"
+
+
+class Casts(torch.nn.Module):
+    def forward(self, x, y):
+        return (x.float(), x.to(torch.float32), x.type_as(y), x.to(torch.float16),
+                x.to(torch.float32, memory_format=torch.channels_last))
+
+
+def test_an_upcast_to_fp32_is_recognised_by_what_it_changes():
+    from rewriter.capture.ir import annotate_tensor_info, is_upcast_to_fp32
+    gm = torch.fx.symbolic_trace(Casts())
+    annotate_tensor_info(gm, (torch.randn(2, 3, 4, 5, dtype=torch.bfloat16), torch.randn(1)), {})
+    casts = [n for n in gm.graph.nodes if n.op == "call_method"]
+    # .float(), .to(fp32), .type_as(an fp32 tensor): only the dtype changes; a cast to fp16 is no
+    # upcast to fp32, and one that lays the tensor out anew (channels-last) changes its strides
+    assert [is_upcast_to_fp32(n) for n in casts] == [True, True, True, False, False]

@@ -312,6 +312,17 @@ def is_noop_cast(node: Any) -> bool:
     return a is not None and b is not None and a.dtype == b.dtype
 
 
+def is_upcast_to_fp32(node: Any) -> bool:
+    """A cast (``x.float()``, ``x.to(torch.float32)``, ``x.type_as(y)``, ...) of a floating
+    tensor to fp32 that changes nothing else, by the captured facts of its input and output:
+    same shape, strides and device. Dropping it leaves every reader a tensor laid out alike."""
+    if not is_cast(node) or not node.args:
+        return False
+    a, b = tensor_info(node.args[0]), tensor_info(node)
+    return a is not None and b is not None and a.dtype.is_floating_point and b.dtype == torch.float32 \
+        and (a.shape, a.stride, a.device) == (b.shape, b.stride, b.device)
+
+
 def single_user(node: Any, user: Node | None = None) -> bool:
     """``node`` has exactly one user (``user``, when given)."""
     return isinstance(node, Node) and len(node.users) == 1 and (user is None or user in node.users)
