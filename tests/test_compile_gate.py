@@ -123,6 +123,16 @@ def test_a_compile_within_noise_is_not_kept(mlp):
     assert not _compile_row(fast).kept
 
 
+@pytest.mark.parametrize("speedup, kept", [(1.035, True), (1.015, False)])
+def test_a_compile_is_kept_past_half_the_region_margin(mlp, speedup, kept):
+    # measured as the step itself and weighed by its payback: 1.025 for the default 1.05
+    model, x = mlp
+    assert compile_gate.compile_margin(1.05) == pytest.approx(1.025)
+    fast = _opt(model, (x,), ControlledClock({"compile": 1 / speedup}, jitter=0.001), FakeCompiler())
+    d = _compile_row(fast)
+    assert d.kept is kept and d.speedup == pytest.approx(speedup, rel=0.005), d.reason
+
+
 def test_a_compile_that_raises_is_reported_and_the_eager_graphs_run(mlp):
     model, x = mlp
     clock = ControlledClock({"a": 0.5, "compile": 0.5})
