@@ -53,8 +53,9 @@ _VIEWS = {"transpose", "t", "view", "_unsafe_view", "permute", "expand", "as_str
 _ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_"}
 # Operators whose work the operator below them does and is costed for (its time too): their
 # self time is bookkeeping (rewriter.profile.opcalls; `embedding` once ranked third, at 1.2%
-# of a GPT-2 step, its index_select below it).
-_DISPATCHING = {"embedding"}
+# of a GPT-2 step, its index_select below it; `log_softmax` too, its `_log_softmax` below it).
+_DISPATCHING = {"embedding", "log_softmax", "softmax", "layer_norm", "linear", "matmul",
+                "cross_entropy_loss", "nll_loss", "nll_loss_nd", "dropout"}
 
 
 def _top_three(out: str) -> list[str]:
