@@ -115,3 +115,9 @@ class RewriteRelu(Pass):
                 mark_new_node(new, self.name, like=site.anchor)
             site.anchor.replace_all_uses_with(new)
             new.args = (site.anchor,) + tuple(new.args[1:])
+
+
+class StepRelu(RewriteRelu):
+    """RewriteRelu decided on the whole step (as cast_to_half and to_channels_last are)."""
+
+    scope = "step"

@@ -8,7 +8,7 @@ import torch
 
 import rewriter
 from rewriter.decide.gate import GateSettings, Measurement, Step, clearly_one_way, decide, measure
-from tests.controlled import QUICK, ControlledClock, RewriteRelu
+from tests.controlled import QUICK, ControlledClock, RewriteRelu, StepRelu
 from tests.models import ReluMLP
 
 
@@ -183,10 +183,6 @@ def test_samples_of_one_variant_that_disagree_are_no_early_verdict():
                             interference=lambda call, step: 1.0 if step.passes else next(spread))
     m = _whole_step(clock)
     assert not m.decided_early and m.pairs >= WHOLE.min_pairs
-
-
-class StepRelu(RewriteRelu):
-    scope = "step"  # measured on the whole step
 
 
 def test_optimize_decides_a_whole_step_pass_far_past_the_line_on_its_few_pairs(mlp):

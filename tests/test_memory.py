@@ -16,14 +16,8 @@ from rewriter.decide.memory import (
     peak_from_events,
 )
 from rewriter.devices.backends import CpuBackend
-from tests.controlled import QUICK, ControlledClock, RewriteRelu
+from tests.controlled import QUICK, ControlledClock, StepRelu
 from tests.models import ReluMLP
-
-
-class StepRelu(RewriteRelu):
-    """A rewrite measured on the whole step (as fuse_linear_cross_entropy is)."""
-
-    scope = "step"
 
 
 def _opt(model, x, clock, **kw):

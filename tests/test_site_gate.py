@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import rewriter
 from rewriter.capture.region import find_regions
 from rewriter.decide.gate import GateSettings, Measurement, Step, decide, measure
-from tests.controlled import QUICK, Bf16Cpu, ControlledClock, RewriteRelu
+from tests.controlled import QUICK, Bf16Cpu, ControlledClock, RewriteRelu, StepRelu
 from tests.models import Blocks, ReluMLP
 
 
@@ -649,12 +649,6 @@ def test_a_region_near_the_margin_is_measured_within_its_own_budget_then_its_fig
     m = d.regions[0]["measurement"]
     pairs = m["pairs"] + m["flagged"]  # the pairs taken (a flagged one is left out of the figures)
     assert gate.region_min_pairs <= pairs < 40  # 0.5 s of 0.1 s pairs, not 200 pairs
-
-
-class StepRelu(RewriteRelu):
-    """RewriteRelu decided on the whole step (as to_channels_last and cast_to_half are)."""
-
-    scope = "step"
 
 
 def _step_samples(clock, name):
