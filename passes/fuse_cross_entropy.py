@@ -247,9 +247,8 @@ class FuseCrossEntropy(Pass):
             else:
                 # the upcast apply() drops, and the flattening it retypes, are the site's too:
                 # its region holds them, so the loss is decided on its region, not the step
-                chain, upcast = _upcast_chain(a["input"])
-                covers = tuple(chain) + (upcast,) if upcast is not None else ()
-                sites.append(Site(n, f"{n.name} (cross-entropy, gradient made in forward)", a, covers))
+                sites.append(Site(n, f"{n.name} (cross-entropy, gradient made in forward)", a,
+                                  _upcast_chain(a["input"])))
         return sites
 
     def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
@@ -262,33 +261,33 @@ class FuseCrossEntropy(Pass):
             mark_new_node(new, self.name, like=ce)
             ce.replace_all_uses_with(new)
             g.erase_node(ce)
-            _skip_upcast(g, a["input"])
+            _skip_upcast(g, site.covers)
 
 
 # the flattening between transformers' ``logits.float()`` and the loss: ``view(-1, V)``
 _RESHAPES = ("view", "reshape", "flatten")
 
 
-def _upcast_chain(logits: Node) -> tuple[list[Node], Node | None]:
-    """(the flattening between the loss and the logits' own fp32 upcast, the upcast), each node
-    read by the next only (transformers' ``logits.float().view(-1, V)``); no upcast: ([], None)."""
+def _upcast_chain(logits: Node) -> tuple[Node, ...]:
+    """The flattening between the loss and the logits' own fp32 upcast, then the upcast, each
+    node read by the next only (transformers' ``logits.float().view(-1, V)``); no upcast: ()."""
     chain, node = [], logits
     while is_op(node, *_RESHAPES) and single_user(node):
         chain.append(node)
         node = node.args[0]
     if not (is_upcast_to_fp32(node) and single_user(node)):
-        return [], None
-    return chain, node
+        return ()
+    return (*chain, node)
 
 
-def _skip_upcast(g: Any, logits: Node) -> None:
-    """The loss's logits reached through an fp32 upcast of their own (:func:`_upcast_chain`):
-    the flattening reads the upcast's input instead and the upcast goes. The fused loss upcasts
-    a chunk at a time, so once cast_to_half makes the logits half the whole fp32 copy is not
-    made (nor its gradient's way back); in fp32 the upcast did nothing."""
-    chain, node = _upcast_chain(logits)
-    if node is None:
+def _skip_upcast(g: Any, covers: tuple[Node, ...]) -> None:
+    """A site's :func:`_upcast_chain` (its ``covers``): the flattening reads the upcast's input
+    instead and the upcast goes. The fused loss upcasts a chunk at a time, so once cast_to_half
+    makes the logits half the whole fp32 copy is not made (nor its gradient's way back); in fp32
+    the upcast did nothing."""
+    if not covers:
         return
+    *chain, node = covers
     source = tensor_info(node.args[0])
     for n in chain:  # the flattening now holds the source's dtype
         info = tensor_info(n)
