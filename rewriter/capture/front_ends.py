@@ -155,6 +155,7 @@ class Capture:
 
     front_end: str = ""
     dynamic_lengths = False  # traced dynamic in every length from the first call (DynamoCapture)
+    nests = False  # the original model compiled whole nests its repeated blocks (RegionalCapture)
 
     def __init__(self, reason: str) -> None:
         self.reason = reason

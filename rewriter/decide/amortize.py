@@ -66,6 +66,13 @@ COMPILE_COST = {  # training: (base seconds, seconds per node)
 # 0.029 s a repeated node, 0.14 of the training fit's 0.21 s (the fit alone predicted 80 s for
 # the 4 layers). Inference is assumed the same fraction.
 REPEATED_NODE_FACTOR = 0.15
+# The same under a nested compile region a block class (the original model compiled whole with
+# its repeated blocks nested, rewriter.capture.install): the later instances reuse the first's
+# compiled region, so only Dynamo's check of each call repeats. LLaMA, bf16 autocast, training,
+# cold, a process each (2-core Xeon with AMX, `.diag/nested_bf16.py`-style runs): 1 / 4 / 8
+# layers 26.7 / 29.4 / 31.2 s nested (whole: 24.8 / 34.5 / 43.8 s), ~0.6 s a later layer of ~71
+# nodes: 0.04 of the fit's seconds a node.
+NESTED_NODE_FACTOR = 0.04
 
 
 @dataclass(frozen=True)
@@ -113,16 +120,17 @@ class Payback:
 
 
 def predict_compile_seconds(nodes: int, training: bool, known_s: float | None = None,
-                            warm: bool = False, repeated: int = 0) -> float:
+                            warm: bool = False, repeated: int = 0, nested: bool = False) -> float:
     """The first compile's seconds: the knowledge base's figure for the same graphs when there
     is one (``WARM_FACTOR`` of it when Inductor's persistent cache is the one it was measured
     with), else the table's fit on the graphs' node count, the ``repeated`` of them (handed to
     the compiler again, rewriter.decide.compile_size.repeated_nodes) at
-    ``REPEATED_NODE_FACTOR``."""
+    ``REPEATED_NODE_FACTOR``, or ``NESTED_NODE_FACTOR`` where the blocks are ``nested``."""
     if known_s is not None:
         return known_s * (WARM_FACTOR if warm else 1.0)
     base, per_node = COMPILE_COST[training]
-    return base + per_node * (nodes - repeated + REPEATED_NODE_FACTOR * repeated)
+    factor = NESTED_NODE_FACTOR if nested else REPEATED_NODE_FACTOR
+    return base + per_node * (nodes - repeated + factor * repeated)
 
 
 def deciding_budget(time_budget: float | None, steps: int | None, step_seconds: float) -> float | None:

@@ -10,9 +10,10 @@ once (a block's for all its instances, so the cost stays flat with depth), built
 kept rewrites the compiler cannot make itself (those in :data:`COMPILER_DOES_ITSELF` set aside,
 superseded when it is kept), the whole model's compile, the same graphs unrolled, not offered
 (a row says so); beside a kept bf16 precision in training, the other way round: the original
-model under autocast compiled whole, the form that won on every model measured, and the
-regional compile of the bf16 graphs not offered (:meth:`CompileGate._regional_not_offered`; in
-inference both are offered, the bf16 graphs holding their weights cast once).
+model under autocast compiled whole (its repeated blocks nested: compiled once a class), the
+form that won on every model measured, and the regional compile of the bf16 graphs not offered
+(:meth:`CompileGate._regional_not_offered`; in inference both are offered, the bf16 graphs
+holding their weights cast once).
 The compiled form is verified like any rewrite (outputs and gradients against
 the original's, per-dtype bounds, the float64 yardstick beyond them) and timed against the
 rewritten eager step (training: forward + backward + optimizer step; inference: forward), with
@@ -136,8 +137,8 @@ class CompileGate:
             for original in forms:
                 key = self._key(ex, original)
                 known = r.settings.knowledge_base.get(key)
-                # the whole original model's compile grows with depth: weighed whenever the
-                # run's length is known, even when compiling was asked for
+                # the whole original model's compile (its blocks nested) costs more than the
+                # regional one: weighed whenever the run's length is known, even when asked for
                 weigh = choice == "auto" or (original and r.settings.steps is not None)
                 predicted = self._predicted(ex, known, original)
                 skip = self._not_worth_compiling(ex, steps, known, predicted, original) if weigh else None
@@ -194,8 +195,8 @@ class CompileGate:
     def _regional_one_candidate(self) -> bool:
         """A regional capture, not a generation, no kept precision to run as autocast: the
         regional compile (every graph once, a block's for all its instances) is the one
-        candidate; the whole model's compile, the same graphs unrolled and growing with
-        depth, is not offered beside it. (With a kept bf16 precision, see :meth:`_forms`.)"""
+        candidate; the whole model's compile, a second one, is not offered beside it. (With a
+        kept bf16 precision, see :meth:`_forms`.)"""
         r = self.run
         return isinstance(r.cap, RegionalCapture) and r.job.generation is None and self._autocast() is None
 
@@ -222,7 +223,7 @@ class CompileGate:
                 return (True,)  # the original model under autocast
             # inference: the bf16 graphs hold their weights cast once (weight_casts), which the
             # original under autocast casts at every call; unmeasured against each other, both
-            # stay, the whole model's compile (growing with depth) only when weighed
+            # stay, the whole model's compile (a second one) only when weighed
             return (False, True) if self._weighed() else (False,)
         beside = bool(r.kept) and r.job.generation is None and \
             (self._autocast() is not None or not any(kp.pass_.sets_precision for kp in r.kept))
@@ -249,8 +250,8 @@ class CompileGate:
     def _whole_not_offered(self, ex: Executor) -> Decision | None:
         """The row for the whole original model's compile where it would have been weighed
         (``compile="auto"`` or ``steps``) but is not offered (:meth:`_regional_one_candidate`):
-        a second compile, growing with depth, for what one trace fuses across the graphs'
-        edges. GPT-2 training (4 layers, 2-core Xeon without AMX, one process, `.diag` run):
+        a second compile (its blocks nested, rewriter.capture.install) for what one trace fuses
+        across the graphs' edges. GPT-2 training (4 layers, 2-core Xeon without AMX, one process, `.diag` run):
         the whole model compiled ran 4.4% faster than every graph compiled regionally (0.956x
         ±0.006 side by side; ~2.5 ms a step of it is the regional calls' own overhead, seen at
         16 tokens), and costs a second compile, ~15 s cold at 4 layers; LLaMA, benchmarks.run:
@@ -259,12 +260,11 @@ class CompileGate:
         if not (self._weighed() and self._regional_one_candidate()):
             return None
         cost = predict_compile_seconds(compile_nodes(r, original=True), r.job.training,
-                                       repeated=repeated_nodes(r, original=True))
+                                       repeated=repeated_nodes(r, original=True), nested=r.cap.nests)
         return Decision(NAME, False, "not tried",
                         f"{self._label(ex, True)}: the regional compile ({self._label(ex, False)}) "
-                        f"is the candidate; the whole model's compile (predicted {cost:.1f} s, growing "
-                        "with depth, the same graphs unrolled) is not paid beside it for fusing "
-                        "across the graphs' edges", scope="step",
+                        f"is the candidate; the whole model's compile (predicted {cost:.1f} s) is "
+                        "not paid beside it for fusing across the graphs' edges", scope="step",
                         measurement={"predicted_compile_seconds": round(cost, 3)})
 
     def _label(self, ex: Executor, original: bool) -> str:
@@ -276,8 +276,8 @@ class CompileGate:
             every = len(aside) == len(self.run.kept)  # nothing rewritten left: the original graphs
             return f"{ex.name} (original graphs)" if every else f"{ex.name} (without {', '.join(aside)})"
         autocast = self._autocast()
-        return f"{ex.name} (original model" + (f", autocast {str(autocast[1]).split('.')[-1]})"
-                                                if autocast else ")")
+        return f"{ex.name} (original model" + (", blocks nested" if self.run.cap.nests else "") + \
+            (f", autocast {str(autocast[1]).split('.')[-1]})" if autocast else ")")
 
     def _blocks_form(self) -> bool:
         """Nothing rewritten kept under a regional capture (training, or one call a step): the
@@ -360,7 +360,8 @@ class CompileGate:
         again = repeated_nodes(r, original)
         source = ("the knowledge base's figure" + (", warm cache" if warm else "")) if known_s is not None \
             else f"predicted from {nodes} graph nodes" + (f", {again} of them repeated blocks" if again else "")
-        return predict_compile_seconds(nodes, r.job.training, known_s, warm, again), source, nodes
+        return predict_compile_seconds(nodes, r.job.training, known_s, warm, again,
+                                       nested=original and self.run.cap.nests), source, nodes
 
     def _cache(self, ex: Executor) -> str | None:
         """Inductor's persistent cache folder, set beside the knowledge base unless set."""
@@ -552,7 +553,7 @@ class CompileGate:
             else [structure_signature(s.original) for s in r.cap.slots]
         # a regional compile compiles every graph (before this form name, the blocks only)
         regional = isinstance(r.cap, RegionalCapture) and r.job.generation is None
-        form = " (original)" if original else \
+        form = (" (original, blocks nested)" if self.run.cap.nests else " (original)") if original else \
             (" (regional" + (f", without {','.join(aside)}, eager outside" if aside else "") + ")"
              if regional else "")
         text = "|".join([NAME, ex.name + form, r.job.backend.name,

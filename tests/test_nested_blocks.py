@@ -1,0 +1,115 @@
+"""The original model compiled whole traces each repeated block as one nested compile region a
+class (``torch.compiler.nested_compile_region``; rewriter.capture.install's forward, switched on
+by RegionalCapture.lifted): one region compiled for every instance, except inside transformers'
+gradient checkpointing, where such a region gives wrong gradients under Inductor (torch 2.13)."""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+
+from rewriter.capture.blocks import find_blocks
+from rewriter.capture.install import FLAG, NESTED
+from rewriter.capture.regional import RegionalCapture, _nested_instances
+from tests.test_regional import Stack
+
+
+class Recorder:
+    """A torch.compile backend that keeps the graphs Dynamo hands it and runs them as they are."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+        self.graphs.append(gm)
+        return gm
+
+
+def _region_calls(gm: torch.fx.GraphModule) -> list[str]:
+    """The subgraph each invoke_subgraph call in ``gm`` runs (a checkpoint's body included)."""
+    return [str(n.args[0].target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+            for n in m.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
+
+
+class Headed(nn.Module):
+    """A stack of blocks under a model that adds a head: the model's trace calls the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = Stack(n=3), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_lifted_traces_every_instance_of_a_block_as_one_region_and_puts_everything_back():
+    torch.manual_seed(0)
+    model, x = Headed().eval(), torch.randn(8, 16)
+    with torch.no_grad():
+        want = model(x)
+    cap = RegionalCapture(model, "test", find_blocks(model))
+    try:
+        assert cap.nests
+        rec = Recorder()
+        compiled = torch.compile(model, backend=rec)
+        with torch.no_grad(), cap.lifted():
+            assert all(b.__dict__.get(NESTED) and FLAG not in b.__dict__ for b in model.body.blocks)
+            got = compiled(x)
+        calls = [c for gm in rec.graphs for c in _region_calls(gm)]
+        assert len(calls) == 3 and len(set(calls)) == 1, calls  # three calls of one region
+        torch.testing.assert_close(got, want)
+        assert all(FLAG in b.__dict__ and NESTED not in b.__dict__ for b in model.body.blocks)
+    finally:
+        cap.remove()
+
+
+def test_a_block_of_one_instance_is_not_nested():
+    one, two, three = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    blocks = [types.SimpleNamespace(instances=[("head", one)]),
+              types.SimpleNamespace(instances=[("layers.0", two), ("layers.1", three)])]
+    assert _nested_instances(blocks, [one, two, three]) == [two, three]
+    assert _nested_instances(blocks, [one, three]) == [three]  # only what lifted() turned off
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=64, attn_implementation="eager")
+    return LlamaForCausalLM(cfg).train(), torch.randint(0, 64, (2, 8))
+
+
+def _checkpoints_inside_regions(gm: torch.fx.GraphModule) -> int:
+    """Activation checkpoints inside a nested region's subgraph (the form that gave wrong
+    gradients under Inductor)."""
+    inside = {str(n.args[0].target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+              for n in m.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)}
+    return sum(1 for name in inside for n in getattr(gm, name).graph.nodes
+               if "tag_activation_checkpoint" in str(n.target))
+
+
+def test_transformers_gradient_checkpointing_keeps_the_region_inside_the_checkpoint():
+    """The region is the forward transformers' checkpoint calls (a region around a checkpoint
+    gave wrong gradients under Inductor, torch 2.13); the gradients are the eager ones."""
+    model, ids = _tiny_llama()
+    cap = RegionalCapture(model, "test", find_blocks(model))
+    try:
+        rec = Recorder()
+        compiled = torch.compile(model, backend=rec)
+        with cap.lifted():
+            compiled(input_ids=ids, labels=ids)
+        assert len([c for gm in rec.graphs for c in _region_calls(gm)]) == 2  # without checkpointing
+        model.gradient_checkpointing_enable()
+        eager = model(input_ids=ids, labels=ids).loss
+        want = torch.autograd.grad(eager, list(model.parameters()))
+        rec.graphs.clear()
+        with cap.lifted():
+            loss = compiled(input_ids=ids, labels=ids).loss
+        got = torch.autograd.grad(loss, list(model.parameters()))
+        assert any("tag_activation_checkpoint" in gm.code for gm in rec.graphs)
+        assert not any(_checkpoints_inside_regions(gm) for gm in rec.graphs)
+        torch.testing.assert_close(loss, eager)
+        torch.testing.assert_close(got, want)
+    finally:
+        cap.remove()
