@@ -531,7 +531,7 @@ def test_a_regional_bf16_training_step_has_one_compile_candidate_the_original_mo
                    passes=["cast_to_half"], dtype=torch.bfloat16, device=Bf16Cpu(), regional=True)
     rows = [d for d in fast.report.decisions if d.pass_name == "compile"]
     tried = [d for d in rows if d.status != "not tried"]
-    assert len(tried) == 1 and tried[0].kept and "(original model, blocks nested, autocast bfloat16)" in tried[0].sites[0]
+    assert len(tried) == 1 and tried[0].kept and "(original model, autocast bfloat16)" in tried[0].sites[0]
     regional = next(d for d in rows if d.status == "not tried")
     assert "(regional, the bf16 graphs)" in regional.reason and "1.59x" in regional.reason
     assert fast.report.plan["compile"].get("form") == "original"
@@ -699,22 +699,21 @@ def test_rewrites_the_compiler_makes_itself_are_set_aside_for_one_compile_of_the
 
 def test_a_whole_model_trace_is_predicted_to_cost_less_for_the_block_instances_it_repeats():
     """The whole model's compile (not offered beside the regional one; its row gives its
-    predicted cost) traces the three blocks, nested: the second and third instances' nodes are
-    predicted at NESTED_NODE_FACTOR of a node's seconds, their region being the first's."""
+    predicted cost) unrolls the three blocks: the second and third instances' nodes are
+    predicted at REPEATED_NODE_FACTOR of a node's seconds, their kernels being the first's."""
     from rewriter.decide.compile_size import calls_in
     model, x = _headed_stack()
     fast = _opt(model, (x,), ControlledClock(), FakeCompiler(), passes=[], regional=True, steps=100_000)
-    whole, = [d for d in fast.report.decisions if d.status == "not tried" and "(original model, blocks nested)" in d.reason
+    whole, = [d for d in fast.report.decisions if d.status == "not tried" and "(original model)" in d.reason
               and "regional compile" in d.reason]
     slots = fast._outcome.capture.slots
     block, = [s for s in slots if s.calls > 1]
     unrolled = sum(max(s.calls, 1) * calls_in(s.original) for s in slots)
     repeated = (block.calls - 1) * calls_in(block.original)
     assert block.calls == 3 and 0 < repeated < unrolled
-    predicted = predict_compile_seconds(unrolled, False, repeated=repeated, nested=True)
+    predicted = predict_compile_seconds(unrolled, False, repeated=repeated)
     assert whole.measurement["predicted_compile_seconds"] == pytest.approx(predicted, abs=1e-3)
-    assert predict_compile_seconds(unrolled - repeated, False) < predicted \
-        < predict_compile_seconds(unrolled, False, repeated=repeated) < predict_compile_seconds(unrolled, False)
+    assert predict_compile_seconds(unrolled - repeated, False) < predicted < predict_compile_seconds(unrolled, False)
     fast.restore()
 
 

@@ -53,13 +53,18 @@ def test_lifted_traces_every_instance_of_a_block_as_one_region_and_puts_everythi
         assert cap.nests
         rec = Recorder()
         compiled = torch.compile(model, backend=rec)
-        with torch.no_grad(), cap.lifted():
+        with torch.no_grad(), cap.lifted(nest=True):
             assert all(b.__dict__.get(NESTED) and FLAG not in b.__dict__ for b in model.body.blocks)
             got = compiled(x)
         calls = [c for gm in rec.graphs for c in _region_calls(gm)]
         assert len(calls) == 3 and len(set(calls)) == 1, calls  # three calls of one region
         torch.testing.assert_close(got, want)
         assert all(FLAG in b.__dict__ and NESTED not in b.__dict__ for b in model.body.blocks)
+        rec.graphs.clear()
+        torch._dynamo.reset()
+        with torch.no_grad(), cap.lifted():  # not asked to nest: each instance traced inline
+            torch.testing.assert_close(torch.compile(model, backend=rec)(x), want)
+        assert rec.graphs and not [c for gm in rec.graphs for c in _region_calls(gm)]
     finally:
         cap.remove()
 
@@ -97,14 +102,14 @@ def test_transformers_gradient_checkpointing_keeps_the_region_inside_the_checkpo
     try:
         rec = Recorder()
         compiled = torch.compile(model, backend=rec)
-        with cap.lifted():
+        with cap.lifted(nest=True):
             compiled(input_ids=ids, labels=ids)
         assert len([c for gm in rec.graphs for c in _region_calls(gm)]) == 2  # without checkpointing
         model.gradient_checkpointing_enable()
         eager = model(input_ids=ids, labels=ids).loss
         want = torch.autograd.grad(eager, list(model.parameters()))
         rec.graphs.clear()
-        with cap.lifted():
+        with cap.lifted(nest=True):
             loss = compiled(input_ids=ids, labels=ids).loss
         got = torch.autograd.grad(loss, list(model.parameters()))
         assert any("tag_activation_checkpoint" in gm.code for gm in rec.graphs)
@@ -113,3 +118,49 @@ def test_transformers_gradient_checkpointing_keeps_the_region_inside_the_checkpo
         torch.testing.assert_close(got, want)
     finally:
         cap.remove()
+
+
+class RecordingInductor(Recorder):
+    """Stands in for Inductor (its name, and the ``config_patches`` it takes), AOTAutograd's
+    eager backend underneath."""
+
+    __name__ = "inductor"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches: list = []
+
+    def __call__(self, gm, example_inputs, config_patches=None):
+        self.patches.append(config_patches)
+        self.graphs.append(gm)
+        # a region in a training graph runs through AOTAutograd (its backward is traced there)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+def test_optimize_compiles_the_original_model_with_its_blocks_nested_and_inductors_buffer_reuse_off():
+    """bf16 training under a regional capture: the one compile candidate, the original model
+    under autocast, nests each repeated block (one region for the three instances) and is
+    compiled with Inductor's buffer reuse off (a reused region's backward read a reused buffer
+    in torch 2.13); kept, the blocks stay nested, and restore() takes that off."""
+    from tests.test_compile_gate import Bf16Cpu, ControlledClock, _opt
+
+    torch.manual_seed(0)
+    model, x = Headed().train(), torch.randn(8, 16)
+    with torch.no_grad():
+        want = model(x)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = RecordingInductor()
+    clock = ControlledClock({"cast_to_half": 0.8, "compile": 0.7, "original": 0.5})
+    fast, _ = _opt(model, (x,), clock, rec, optimizer=opt, loss_fn=lambda out: out.float().pow(2).mean(),
+                   passes=["cast_to_half"], dtype=torch.bfloat16, device=Bf16Cpu(), regional=True)
+    row, = [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
+    assert row.kept and row.sites == ["inductor (original model, blocks nested, autocast bfloat16)"], row
+    assert rec.patches and all(p == {"allow_buffer_reuse": False} for p in rec.patches)
+    calls = [c for gm in rec.graphs for c in _region_calls(gm)]
+    # the first block's input needs no gradient: a signature of its own, used once, inlined
+    assert len(calls) == 2 and len(set(calls)) == 1, calls
+    assert all(b.__dict__.get(NESTED) for b in model.body.blocks)  # lifted for good, nested
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x).float(), want, rtol=1.6e-2, atol=1e-2)
+    fast.restore()
+    assert not any(NESTED in b.__dict__ for b in model.body.blocks)

@@ -146,13 +146,13 @@ class RegionalCapture(DynamoCapture):
             return super().__call__(*args, **kwargs)
 
     @contextlib.contextmanager
-    def lifted(self) -> Iterator[None]:
+    def lifted(self, nest: bool = False) -> Iterator[None]:
         """While the body runs, a trace of the model sees its own code: the registered
         instances' calls are not opaque (their flag is off) and the forwards that call them are
         inlined again; the installations stay (a compile of the original model, measured
-        beside the rewritten one, is traced and guarded in this state). A repeated block's
-        instances are traced as one nested compile region (:func:`_nested_instances`)."""
-        flagged, marked = self._lift()
+        beside the rewritten one, is traced and guarded in this state). ``nest``: a repeated
+        block's instances are traced as one nested compile region (:func:`_nested_instances`)."""
+        flagged, marked = self._lift(nest)
         try:
             yield
         finally:
@@ -164,20 +164,20 @@ class RegionalCapture(DynamoCapture):
 
     @property
     def nests(self) -> bool:
-        """Whether :meth:`lifted` traces some block as one nested compile region a class."""
+        """Whether ``lifted(nest=True)`` traces some block as one nested compile region a class."""
         return any(len(b.instances) > 1 for b in self.blocks)
 
-    def lift_for_good(self) -> None:
+    def lift_for_good(self, nest: bool = False) -> None:
         """The state :meth:`lifted` makes, from now on: the compiled original model runs (its
         guards hold against the class patches, which stay, unengaged: every instance runs its
         own forward)."""
         for inst in self.installations:
             inst.engaged = False
-        self._lift()
+        self._lift(nest)
         self._not_inlined.clear()
         self.lifted_for_good = True
 
-    def _lift(self) -> tuple[list[nn.Module], list[tuple[nn.Module, Any]]]:
+    def _lift(self, nest: bool) -> tuple[list[nn.Module], list[tuple[nn.Module, Any]]]:
         """Turn the registered instances' flags off and take the not-inlined forwards off their
         holders; returns what was changed (instances, (holder, forward)) to put back."""
         flagged = [m for inst in self.installations for m in inst.instances() if FLAG in m.__dict__]
@@ -185,7 +185,7 @@ class RegionalCapture(DynamoCapture):
                   and h.__dict__.get("forward") is f]
         for m in flagged:
             del m.__dict__[FLAG]
-        for m in _nested_instances(self.blocks, flagged):
+        for m in _nested_instances(self.blocks, flagged) if nest else ():
             m.__dict__[NESTED] = True
         for h, _ in marked:
             del h.__dict__["forward"]

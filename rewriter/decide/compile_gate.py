@@ -163,7 +163,7 @@ class CompileGate:
         r.report.decisions += not_offered  # after the rows of what was tried
         if best is not None:
             if best[3]:
-                self._prefer_original(best[0])
+                self._prefer_original(best[0], best[1])
             elif getattr(best[1], "set_aside", ()):  # graphs without those rewrites, regionally
                 self._supersede(best[0], f"the graphs compiled without them ({best[0].sites[0]}) run",
                                 keep=[kp for kp in r.kept if kp.name not in best[1].set_aside])
@@ -232,12 +232,9 @@ class CompileGate:
     def _regional_not_offered(self, ex: Executor) -> Decision | None:
         """The row for the regional compile of the bf16 graphs where the original model under
         autocast, compiled whole, is the one candidate (training under a regional capture with
-        a kept bf16 precision). Side by side, training, AMX Xeon (`benchmarks/steps_bf16.json`,
-        over the rewritten eager step): the bf16 graphs compiled regionally 1.22x / 1.06x /
-        0.98x on LLaMA / GPT-2 / BERT, the original model under autocast 1.59x / 1.30x / 1.43x;
-        without AMX, LLaMA's block graph compiled in bf16 (its casts written in, or under
-        autocast) failed verification: non-finite gradients from Inductor's vectorized C++
-        code (scalar code, ``cpp.simdlen = 1``, gives finite ones)."""
+        a kept bf16 precision; `benchmarks/steps_bf16.json` for the row's figures). Without
+        AMX, LLaMA's block graph compiled in bf16 also failed verification (non-finite
+        gradients from Inductor's vectorized C++ code; ``cpp.simdlen = 1`` gives finite ones)."""
         if self._forms(ex) != (True,):
             return None
         return Decision(NAME, False, "not tried",
@@ -250,17 +247,16 @@ class CompileGate:
     def _whole_not_offered(self, ex: Executor) -> Decision | None:
         """The row for the whole original model's compile where it would have been weighed
         (``compile="auto"`` or ``steps``) but is not offered (:meth:`_regional_one_candidate`):
-        a second compile (its blocks nested, rewriter.capture.install) for what one trace fuses
-        across the graphs' edges. GPT-2 training (4 layers, 2-core Xeon without AMX, one process, `.diag` run):
-        the whole model compiled ran 4.4% faster than every graph compiled regionally (0.956x
-        ±0.006 side by side; ~2.5 ms a step of it is the regional calls' own overhead, seen at
-        16 tokens), and costs a second compile, ~15 s cold at 4 layers; LLaMA, benchmarks.run:
-        regional 1.17x, whole 1.15x over the rewritten eager step."""
+        a second compile (its blocks nested) for what one trace fuses across the graphs' edges.
+        GPT-2 training (4 layers, 2-core Xeon without AMX, one process, `.diag` run): the whole
+        model compiled ran 4.4% faster than every graph compiled regionally (0.956x ±0.006 side
+        by side; ~2.5 ms a step of it the regional calls' own overhead, seen at 16 tokens), a
+        second compile ~15 s cold; LLaMA, benchmarks.run: regional 1.17x, whole 1.15x."""
         r = self.run
         if not (self._weighed() and self._regional_one_candidate()):
             return None
         cost = predict_compile_seconds(compile_nodes(r, original=True), r.job.training,
-                                       repeated=repeated_nodes(r, original=True), nested=r.cap.nests)
+                                       repeated=repeated_nodes(r, original=True), nested=self._nests(ex))
         return Decision(NAME, False, "not tried",
                         f"{self._label(ex, True)}: the regional compile ({self._label(ex, False)}) "
                         f"is the candidate; the whole model's compile (predicted {cost:.1f} s) is "
@@ -276,8 +272,12 @@ class CompileGate:
             every = len(aside) == len(self.run.kept)  # nothing rewritten left: the original graphs
             return f"{ex.name} (original graphs)" if every else f"{ex.name} (without {', '.join(aside)})"
         autocast = self._autocast()
-        return f"{ex.name} (original model" + (", blocks nested" if self.run.cap.nests else "") + \
+        return f"{ex.name} (original model" + (", blocks nested" if self._nests(ex) else "") + \
             (f", autocast {str(autocast[1]).split('.')[-1]})" if autocast else ")")
+
+    def _nests(self, ex: Executor) -> bool:
+        """The original model compiled whole nests its repeated blocks (Inductor: CompiledOriginal)."""
+        return ex.name == "inductor" and self.run.cap.nests
 
     def _blocks_form(self) -> bool:
         """Nothing rewritten kept under a regional capture (training, or one call a step): the
@@ -294,13 +294,13 @@ class CompileGate:
             return r.job.backend.name, torch.bfloat16  # "cpu", "cuda", "npu": autocast's device types
         return None
 
-    def _prefer_original(self, decision: Decision) -> None:
+    def _prefer_original(self, decision: Decision, runner: CompiledOriginal) -> None:
         """The original model compiled beat the rewritten one: it runs (with the fused
         optimizer, if kept); the graph rewrites are superseded, the slots back to the original
         graphs, and a regional capture's installations lifted for good."""
         self._supersede(decision, f"the original model compiled ({decision.sites[0]}) runs")
         if isinstance(self.run.cap, RegionalCapture):
-            self.run.cap.lift_for_good()
+            self.run.cap.lift_for_good(nest=runner.nest)
 
     def _supersede(self, decision: Decision, what: str, keep: list | None = None) -> None:
         """A compile without the kept graph rewrites (``what``; but those in ``keep``) is kept:
@@ -361,7 +361,7 @@ class CompileGate:
         source = ("the knowledge base's figure" + (", warm cache" if warm else "")) if known_s is not None \
             else f"predicted from {nodes} graph nodes" + (f", {again} of them repeated blocks" if again else "")
         return predict_compile_seconds(nodes, r.job.training, known_s, warm, again,
-                                       nested=original and self.run.cap.nests), source, nodes
+                                       nested=original and self._nests(ex)), source, nodes
 
     def _cache(self, ex: Executor) -> str | None:
         """Inductor's persistent cache folder, set beside the knowledge base unless set."""
@@ -447,7 +447,7 @@ class CompileGate:
             f"{compile_s:.1f} s", max_abs_error=err, sites=[ex.name],
             measurement={"compile_seconds": round(compile_s, 3)}, verification=detail, scope="step"))
         if original and isinstance(r.cap, RegionalCapture):
-            r.cap.lift_for_good()
+            r.cap.lift_for_good(nest=runner.nest)
         self._install(runner, ex)
 
     # --- parts ---------------------------------------------------------------------------------
@@ -470,7 +470,8 @@ class CompileGate:
         if original:
             try:
                 with r._phase("compile"):
-                    runner = CompiledOriginal(r.job.model, r.cap, ex.resolve(), self._autocast())
+                    runner = CompiledOriginal(r.job.model, r.cap, ex.resolve(), self._autocast(),
+                                              nest=self._nests(ex))
                     self._step(runner).run()
             except Exception as e:
                 return None, \
@@ -553,7 +554,7 @@ class CompileGate:
             else [structure_signature(s.original) for s in r.cap.slots]
         # a regional compile compiles every graph (before this form name, the blocks only)
         regional = isinstance(r.cap, RegionalCapture) and r.job.generation is None
-        form = (" (original, blocks nested)" if self.run.cap.nests else " (original)") if original else \
+        form = (" (original, blocks nested)" if self._nests(ex) else " (original)") if original else \
             (" (regional" + (f", without {','.join(aside)}, eager outside" if aside else "") + ")"
              if regional else "")
         text = "|".join([NAME, ex.name + form, r.job.backend.name,
