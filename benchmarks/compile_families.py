@@ -3,6 +3,7 @@ each family cold in a fresh process of its own::
 
     python -m benchmarks.compile_families --out benchmarks          # ~5 min on 2 cores
     python -m benchmarks.compile_families --only Qwen2Config,OPTConfig
+    python -m benchmarks.compile_families --bf16 --out benchmarks   # optimize(dtype=bf16, ...)
 
 Each family (config classes of ``benchmarks.families``) is built at the size of
 ``benchmarks.models``' transformers: 4 layers, hidden 256, 4 heads, vocabulary 8000, random
@@ -51,8 +52,9 @@ def build(name: str):
     return model
 
 
-def one_family(name: str) -> dict:
-    """In this process: optimize(steps=STEPS) on the family; its row."""
+def one_family(name: str, bf16: bool = False) -> dict:
+    """In this process: optimize(steps=STEPS) on the family (``bf16``: with dtype=bfloat16, where
+    the compile candidate is the original model under autocast, its blocks nested); its row."""
     import torch
 
     import rewriter
@@ -62,7 +64,8 @@ def one_family(name: str) -> dict:
     started = time.perf_counter()
     fast, _ = rewriter.optimize(model, {"input_ids": ids, "labels": ids},
                                 optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                steps=STEPS, progress=False, knowledge_base=False)
+                                steps=STEPS, progress=False, knowledge_base=False,
+                                dtype=torch.bfloat16 if bf16 else None)
     seconds = time.perf_counter() - started
     r = fast.report
     compile_rows = [{"status": d.status, "speedup": d.speedup, "reason": d.reason}
@@ -73,12 +76,13 @@ def one_family(name: str) -> dict:
             "failed": [f"{d.pass_name}: {d.reason}" for d in r.decisions if "fail" in d.status]}
 
 
-def cold(name: str) -> dict:
+def cold(name: str, bf16: bool = False) -> dict:
     """:func:`one_family` in a fresh process with an empty Inductor cache; a process that fails
     is a row with its error."""
     from benchmarks.measure import in_fresh_process
 
-    out = in_fresh_process([sys.executable, "-m", "benchmarks.compile_families", "--one", name])
+    out = in_fresh_process([sys.executable, "-m", "benchmarks.compile_families", "--one", name]
+                           + (["--bf16"] if bf16 else []))
     if out.returncode != 0:
         return {"family": name.removesuffix("Config"), "error": out.stderr.strip()[-1500:]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -95,13 +99,13 @@ def _compile_cell(rows: list[dict]) -> str:
     return f"{c['status']}{figure}{detail}"
 
 
-def markdown(rows: list[dict], command: str, machine: dict) -> str:
+def markdown(rows: list[dict], command: str, machine: dict, bf16: bool = False) -> str:
     from benchmarks.measure import machine_line
 
     lines = ["# The compile decision on families the speed benchmarks do not name", "",
              f"Command: `{command}`", "",
              machine_line(machine), "",
-             f"Training, AdamW, `optimize(steps={STEPS})`, each family in a fresh process with an empty "
+             f"Training, AdamW, `optimize(steps={STEPS}{', dtype=torch.bfloat16' if bf16 else ''})`, each family in a fresh process with an empty "
              f"Inductor cache and no knowledge base; 4 layers, hidden 256, vocabulary 8000, batch "
              f"{BATCH} x {TOKENS}. Compile: over the rewritten eager step, side by side in that process.", "",
              "| family | capture | compile | kept | optimize() s | of it, compile s | failed verification |",
@@ -121,10 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--only", help="comma-separated config class names (default: all)")
     p.add_argument("--out", help="folder for COMPILE_FAMILIES.md and compile_families.json")
+    p.add_argument("--bf16", action="store_true", help="optimize(dtype=torch.bfloat16, ...) (files *_bf16)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(one_family(args.one)))
+        print(json.dumps(one_family(args.one, args.bf16)))
         return 0
     names = args.only.split(",") if args.only else list(FAMILIES)
     unknown = [n for n in names if n not in FAMILIES]
@@ -134,12 +139,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rows = []
     for name in names:
-        rows.append(cold(name))
+        rows.append(cold(name, args.bf16))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    command = "python -m benchmarks.compile_families" + (f" --only {args.only}" if args.only else "")
+    command = "python -m benchmarks.compile_families" + (" --bf16" if args.bf16 else "") + \
+        (f" --only {args.only}" if args.only else "")
     machine = machine_info()
-    text = markdown(rows, command, machine)
-    write_result(args.out, "compile_families", {"command": command, "machine": machine, "rows": rows}, text)
+    text = markdown(rows, command, machine, args.bf16)
+    write_result(args.out, "compile_families" + ("_bf16" if args.bf16 else ""),
+                 {"command": command, "machine": machine, "rows": rows}, text)
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -399,6 +399,10 @@ def test_compile_families_rows_come_from_fresh_processes_and_give_the_compile_ve
     ) == "not tried: would not repay within the run"
     with pytest.raises(SystemExit):
         compile_families.main(["--only", "NoSuchConfig"])
+    seen.clear()
+    compile_families.cold("Qwen2Config", bf16=True)
+    assert seen[0][0][-3:] == ["--one", "Qwen2Config", "--bf16"]
+    assert "dtype=torch.bfloat16" in compile_families.markdown(rows, "c", {"cpu": "X", "isa": {}}, bf16=True)
 
 
 def test_the_cross_entropy_benchmark_runs(capsys):
