@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -122,19 +123,42 @@ def test_transformers_gradient_checkpointing_keeps_the_region_inside_the_checkpo
 
 class RecordingInductor(Recorder):
     """Stands in for Inductor (its name, and the ``config_patches`` it takes), AOTAutograd's
-    eager backend underneath."""
+    eager backend underneath. ``nested``: what it does with a graph that calls a nested region
+    ("raise", or "shift" its outputs: a miscompile)."""
 
     __name__ = "inductor"
 
-    def __init__(self) -> None:
+    def __init__(self, nested: str | None = None) -> None:
         super().__init__()
         self.patches: list = []
+        self.nested = nested
 
     def __call__(self, gm, example_inputs, config_patches=None):
         self.patches.append(config_patches)
         self.graphs.append(gm)
+        regions = bool(_region_calls(gm))
+        if regions and self.nested == "raise":
+            raise RuntimeError("a region this compiler cannot take")
         # a region in a training graph runs through AOTAutograd (its backward is traced there)
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        if not (regions and self.nested == "shift"):
+            return compiled
+        return lambda *args: [t + 1.0 if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                              for t in compiled(*args)]
+
+
+def _bf16_training(compiler, **kw):
+    """optimize() of Headed in bf16 training under a regional capture: the original model under
+    autocast, compiled, is the one candidate (and, timed by this clock, the faster)."""
+    from tests.test_compile_gate import Bf16Cpu, ControlledClock, _opt
+
+    torch.manual_seed(0)
+    model, x = Headed().train(), torch.randn(8, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock = ControlledClock({"cast_to_half": 0.8, "compile": 0.7, "original": 0.5})
+    fast, _ = _opt(model, (x,), clock, compiler, optimizer=opt, loss_fn=lambda out: out.float().pow(2).mean(),
+                   passes=["cast_to_half"], dtype=torch.bfloat16, device=Bf16Cpu(), regional=True, **kw)
+    return model, x, fast
 
 
 def test_optimize_compiles_the_original_model_with_its_blocks_nested_and_inductors_buffer_reuse_off():
@@ -142,17 +166,11 @@ def test_optimize_compiles_the_original_model_with_its_blocks_nested_and_inducto
     under autocast, nests each repeated block (one region for the three instances) and is
     compiled with Inductor's buffer reuse off (a reused region's backward read a reused buffer
     in torch 2.13); kept, the blocks stay nested, and restore() takes that off."""
-    from tests.test_compile_gate import Bf16Cpu, ControlledClock, _opt
-
-    torch.manual_seed(0)
-    model, x = Headed().train(), torch.randn(8, 16)
-    with torch.no_grad():
-        want = model(x)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rec = RecordingInductor()
-    clock = ControlledClock({"cast_to_half": 0.8, "compile": 0.7, "original": 0.5})
-    fast, _ = _opt(model, (x,), clock, rec, optimizer=opt, loss_fn=lambda out: out.float().pow(2).mean(),
-                   passes=["cast_to_half"], dtype=torch.bfloat16, device=Bf16Cpu(), regional=True)
+    model, x, fast = _bf16_training(rec)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        want = Headed()(x)
     row, = [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
     assert row.kept and row.sites == ["inductor (original model, blocks nested, autocast bfloat16)"], row
     assert rec.patches and all(p == {"allow_buffer_reuse": False} for p in rec.patches)
@@ -160,7 +178,41 @@ def test_optimize_compiles_the_original_model_with_its_blocks_nested_and_inducto
     # the first block's input needs no gradient: a signature of its own, used once, inlined
     assert len(calls) == 2 and len(set(calls)) == 1, calls
     assert all(b.__dict__.get(NESTED) for b in model.body.blocks)  # lifted for good, nested
+    assert fast.report.plan["compile"]["nested"] is True
     with torch.no_grad():
         torch.testing.assert_close(fast(x).float(), want, rtol=1.6e-2, atol=1e-2)
     fast.restore()
     assert not any(NESTED in b.__dict__ for b in model.body.blocks)
+
+
+@pytest.mark.parametrize("how", ["raise", "shift"])
+def test_nested_blocks_that_raise_or_miscompile_are_compiled_again_without_regions_and_remembered(how, tmp_path):
+    """The nested form raises (a region torch cannot take: Mistral's output recording) or fails
+    verification (OPT's outputs off): the original model is compiled again without regions, kept,
+    both compiles counted; the knowledge base remembers, so the next run compiles once, and the
+    plan says which form runs (a replay compiles that form)."""
+    kb = tmp_path / "kb.json"
+    rec = RecordingInductor(nested=how)
+    model, x, fast = _bf16_training(rec, knowledge_base=kb)
+    row, = [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
+    said = "raised" if how == "raise" else "failed verification"
+    assert row.kept and row.sites == ["inductor (original model, autocast bfloat16)"], row
+    assert f"with its blocks nested it {said}" in row.reason and "compiled again without them" in row.reason
+    assert not any(NESTED in b.__dict__ for b in model.body.blocks)  # lifted for good, not nested
+    assert fast.report.plan["compile"]["nested"] is False
+    assert any(_region_calls(gm) for gm in rec.graphs) and not _region_calls(rec.graphs[-1])
+    plan = fast.report.plan
+    fast.restore()
+
+    again = RecordingInductor(nested=how)
+    _, _, fast2 = _bf16_training(again, knowledge_base=kb)
+    row2, = [d for d in fast2.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
+    assert row2.kept and "nested" not in row2.reason and again.graphs
+    assert not any(_region_calls(gm) for gm in again.graphs)  # straight to the form that verified
+    fast2.restore()
+
+    replayed = RecordingInductor(nested=how)
+    _, _, fast3 = _bf16_training(replayed, plan=plan)
+    assert [d.status for d in fast3.report.decisions if d.pass_name == "compile"] == ["replayed"]
+    assert replayed.graphs and not any(_region_calls(gm) for gm in replayed.graphs)
+    fast3.restore()

@@ -1,42 +1,27 @@
 """The graph compiler as one more gated candidate, decided on the whole step.
 
 After the rewrites are decided and confirmed, each executor the device has
-(rewriter.devices.executors) compiles the model as it now runs (the rewritten graphs, else the
-original model); with graph rewrites kept, also the original model compiled whole, with the
-fused optimizer (``CompiledOriginal``): the compiler is never handed only a worse input than
-the model's own code, and when that form is the faster it runs and the rewrites are superseded.
-Under a regional capture there is one candidate, so one compile is paid: every graph compiled
-once (a block's for all its instances, so the cost stays flat with depth), built with only the
-kept rewrites the compiler cannot make itself (those in :data:`COMPILER_DOES_ITSELF` set aside,
-superseded when it is kept), the whole model's compile, the same graphs unrolled, not offered
-(a row says so); beside a kept bf16 precision in training, the other way round: the original
-model under autocast compiled whole (its repeated blocks nested: compiled once a class), the
-form that won on every model measured, and the regional compile of the bf16 graphs not offered
-(:meth:`CompileGate._regional_not_offered`; in inference both are offered, the bf16 graphs
-holding their weights cast once).
-The compiled form is verified like any rewrite (outputs and gradients against
-the original's, per-dtype bounds, the float64 yardstick beyond them) and timed against the
-rewritten eager step (training: forward + backward + optimizer step; inference: forward), with
-the same rules as every step-scope decision (:func:`rewriter.decide.gate.decide`: margin, noise, busy
-machine), at half the region margin (:func:`compile_margin`). It is kept only when measurably faster::
+(rewriter.devices.executors) compiles the model as it now runs; with graph rewrites kept, also
+the original model compiled whole (``CompiledOriginal``), so the compiler is never handed only a
+worse input than the model's own code. Under a regional capture one compile is paid: in fp32
+the regional compile (every graph once, built without the kept rewrites the compiler makes
+itself, :data:`COMPILER_DOES_ITSELF`); beside a kept bf16 precision in training, the original
+model under autocast compiled whole, its repeated blocks nested compile regions (Inductor; one
+that raises or fails verification is compiled again without them). Which forms are offered,
+and why: :meth:`CompileGate._forms` and the README. The compiled form is verified like any
+rewrite and timed against the rewritten eager step with the rules of every step-scope decision
+(:func:`rewriter.decide.gate.decide`), at half the region margin (:func:`compile_margin`)::
 
     CompileGate(run).decide()          # optimize(compile=True)
     CompileGate(run).replay(entry)     # a plan's {"executor": ..., "kept": True}: no measuring
 
-Compile seconds (the first compiled step) are reported apart from measuring: the phase
-"compile" and ``measurement["compile_seconds"]`` of the decision row. A compile is a one-time
-cost (rewriter.decide.amortize): with ``compile="auto"`` it is first predicted (the knowledge
-base's figure for the same graphs, else a fit on their node count, a block's later instances
-unrolled by a whole-model trace at a fraction) and not paid at all when
-even saving half of every step would not repay it within the first tenth of the run
-(``optimize(steps=...)``, default 1000 for "auto"); a compiled form that measures faster is
-kept only when its measured saving repays its measured compile seconds within the run (with
-``steps`` given, or "auto"; the cost is paid by then, so the whole run, not its tenth). The row
-gives the cost, the saving and the break-even step.
-Inductor's persistent caches live beside the knowledge base (rewriter.devices.compile_cache).
-A compile that raises is reported with its reason and the eager graphs run. The decision goes into the knowledge base
-(keyed by executor, device, versions, mode, dtype, the rewritten graphs and the inputs) and the
-plan, so a later run compiles and verifies but does not measure again.
+A compile is a one-time cost (rewriter.decide.amortize): with ``compile="auto"`` or ``steps`` it
+is first predicted (the knowledge base's figure, else a fit on the graphs' node count) and not
+paid when even saving half of every step would not repay it within the first tenth of the run;
+a faster compiled form is kept only when its measured saving repays its measured seconds within
+the run (the row gives the cost, the saving and the break-even step). Inductor's persistent
+caches live beside the knowledge base (rewriter.devices.compile_cache). The decision goes into
+the knowledge base and the plan, so a later run compiles and verifies but does not measure.
 """
 from __future__ import annotations
 
@@ -113,6 +98,7 @@ class CompileGate:
     def __init__(self, run: RunView) -> None:
         self.run = run
         self._replaying = False  # a plan's compile: what the plan keeps, nothing set aside
+        self._unnested = False  # the blocks nested raised or failed verification: not again
 
     # --- deciding ------------------------------------------------------------------------------
     def decide(self) -> None:
@@ -137,6 +123,10 @@ class CompileGate:
             for original in forms:
                 key = self._key(ex, original)
                 known = r.settings.knowledge_base.get(key)
+                if original and known and "nesting_failed" in known:  # an earlier run's fallback
+                    self._unnested = True
+                    key = self._key(ex, original)
+                    known = r.settings.knowledge_base.get(key)
                 # the whole original model's compile (its blocks nested) costs more than the
                 # regional one: weighed whenever the run's length is known, even when asked for
                 weigh = choice == "auto" or (original and r.settings.steps is not None)
@@ -172,14 +162,12 @@ class CompileGate:
             r.compile_plan = {"executor": found[0].name, "kept": False}
 
     def _set_aside(self, ex: Executor) -> list[str]:
-        """Under a regional capture (no kept bf16 precision to run as autocast), the kept graph rewrites
-        ``ex`` makes itself (:data:`COMPILER_DOES_ITSELF`): the regional compile, the one
-        candidate, is handed graphs built without them (with only the kept rewrites it cannot
-        make, item 3 of issue 31; a graph outside the blocks that runs one stays eager with it,
-        rewriter.decide.set_aside), and when it is kept they are superseded. Each form in a
-        fresh process beside transformers' SDPA + fused AdamW, eager (`.diag` runs, 2-core Xeon
-        without AMX, training): GPT-2 each layer compiled 1.09x with its eager attention and
-        GELU, 1.07x with SDPA; LLaMA 1.09x / 1.05x."""
+        """Under a regional capture (no kept bf16 precision to run as autocast), the kept graph
+        rewrites ``ex`` makes itself (:data:`COMPILER_DOES_ITSELF`): the regional compile, the one
+        candidate, is handed graphs built without them (a graph outside the blocks that runs one
+        stays eager with it, rewriter.decide.set_aside); kept, they are superseded. Training,
+        beside SDPA + fused AdamW (2-core Xeon without AMX): GPT-2 each layer compiled 1.09x
+        with its eager attention and GELU, 1.07x with SDPA; LLaMA 1.09x / 1.05x."""
         r = self.run
         if self._replaying or not (self._regional_one_candidate() and ex.name in FUSING_EXECUTORS
                 and r.job.backend.name in INDUCTOR_DEVICES):
@@ -194,9 +182,8 @@ class CompileGate:
 
     def _regional_one_candidate(self) -> bool:
         """A regional capture, not a generation, no kept precision to run as autocast: the
-        regional compile (every graph once, a block's for all its instances) is the one
-        candidate; the whole model's compile, a second one, is not offered beside it. (With a
-        kept bf16 precision, see :meth:`_forms`.)"""
+        regional compile (every graph once) is the one candidate, the whole model's compile not
+        offered beside it (with a kept bf16 precision, see :meth:`_forms`)."""
         r = self.run
         return isinstance(r.cap, RegionalCapture) and r.job.generation is None and self._autocast() is None
 
@@ -277,7 +264,7 @@ class CompileGate:
 
     def _nests(self, ex: Executor) -> bool:
         """The original model compiled whole nests its repeated blocks (Inductor: CompiledOriginal)."""
-        return ex.name == "inductor" and self.run.cap.nests
+        return ex.name == "inductor" and self.run.cap.nests and not self._unnested
 
     def _blocks_form(self) -> bool:
         """Nothing rewritten kept under a regional capture (training, or one call a step): the
@@ -320,10 +307,8 @@ class CompileGate:
 
     def steps(self) -> int | None:
         """The run's length the one-time cost is weighed against (None: not weighed)."""
-        r = self.run
-        if r.settings.steps is not None:
-            return r.settings.steps
-        return DEFAULT_STEPS if r.settings.compile == "auto" else None
+        s = self.run.settings
+        return s.steps if s.steps is not None else (DEFAULT_STEPS if s.compile == "auto" else None)
 
     def _not_worth_compiling(self, ex: Executor, steps: int | None, known: dict | None,
                              predicted: tuple[float, str, int], original: bool = False) -> Decision | None:
@@ -374,12 +359,22 @@ class CompileGate:
         r = self.run
         cache = self._cache(ex)
         warm = _cached(known, cache)  # this compile loads what an earlier one stored
-        runner, compile_s, problem = self._build(ex, original)
-        if problem is not None:
-            return self._failed(ex, "raised", problem, original=original), None, ex, original
-        ok, detail, err = self._verify(runner)
+        runner, compile_s, ok, detail, err = self._verified_build(ex, original)
+        nesting = ""
+        if not ok and original and self._nests(ex):
+            # torch 2.13: a region with a side effect (transformers' output recording in
+            # Mistral) raises, OPT's compiled wrong: the whole model again, without regions
+            nesting = f"; with its blocks nested it {'raised' if runner is None else 'failed verification'}" \
+                      f" ({detail[:200]}), compiled again without them"
+            log.warning("rewriter: compile (%s): %s", self._label(ex, original), nesting[2:])
+            r.settings.knowledge_base.put(key, {"pass": NAME, "nesting_failed": detail[:500]})
+            self._unnested = True
+            key = self._key(ex, original)  # the form compiled next
+            runner, again_s, ok, detail, err = self._verified_build(ex, original)
+            compile_s += again_s  # both compiles are paid
         if not ok:
-            return self._failed(ex, "failed verification", detail, err, original), None, ex, original
+            status = "raised" if runner is None else "failed verification"
+            return self._failed(ex, status, detail + nesting, err, original), None, ex, original
         g, margin = r.settings.gate, compile_margin(r.settings.min_speedup)
         if known is not None:
             keep, reason = known_verdict(known, margin, g.noise_widths)
@@ -409,7 +404,8 @@ class CompileGate:
             elif keep:
                 reason = f"{reason}; {p.describe(paid=True)}"
         d = Decision(NAME, keep, "kept" if keep else "rejected",
-                     f"{self._label(ex, original)}, whole step: {reason}; first compiled step {compile_s:.1f} s",
+                     f"{self._label(ex, original)}, whole step: {reason}; first compiled step {compile_s:.1f} s"
+                     + nesting,
                      speedup=m_dict.get("speedup"), noise=m_dict.get("noise"), max_abs_error=err,
                      sites=[self._label(ex, original)], measurement=m_dict, verification=detail, scope="step")
         return d, runner, ex, original
@@ -433,14 +429,11 @@ class CompileGate:
         # the form the plan kept (what was measured), whatever would be offered afresh: a
         # compile with rewrites set aside left them out of the plan's kept passes
         original = entry.get("form") == "original" and r.job.generation is None
-        self._replaying = True
-        runner, compile_s, problem = self._build(ex, original)
-        if problem is not None:
-            r.report.decisions.append(self._failed(ex, "raised", problem))
-            return
-        ok, detail, err = self._verify(runner)
+        self._replaying, self._unnested = True, not entry.get("nested")  # as it was measured
+        runner, compile_s, ok, detail, err = self._verified_build(ex, original)
         if not ok:
-            r.report.decisions.append(self._failed(ex, "failed verification", detail, err))
+            status = "raised" if runner is None else "failed verification"
+            r.report.decisions.append(self._failed(ex, status, detail, err))
             return
         r.report.decisions.append(Decision(
             NAME, True, "replayed", f"{ex.name}: from plan, not measured; first compiled step "
@@ -497,6 +490,13 @@ class CompileGate:
         finally:
             r.snapshot.restore()
         return runner, None
+
+    def _verified_build(self, ex: Executor, original: bool) -> tuple[Any, float, bool, str, float | None]:
+        """(runner or None if the compile raised, its seconds, verified, why, max error)."""
+        runner, compile_s, problem = self._build(ex, original)
+        if problem is not None:
+            return None, compile_s, False, problem, None
+        return (runner, compile_s, *self._verify(runner))
 
     def _step(self, runner: Callable[..., Any]) -> Step:
         """The composed step (rewrites kept, fused optimizer kept) with the compiled runner; for
@@ -579,7 +579,7 @@ class CompileGate:
             r.compiled = {"fx": ex.resolve()}
         r.compile_plan = {"executor": ex.name, "kept": True}
         if isinstance(runner, CompiledOriginal):
-            r.compile_plan["form"] = "original"
+            r.compile_plan.update(form="original", nested=runner.nest)
         elif getattr(runner, "set_aside", ()):  # superseded, out of the plan's kept passes
             r.compile_plan["set_aside"] = list(runner.set_aside)
         if not r.report.final.get("kept"):  # no rewrite kept: the original model, compiled, runs
