@@ -147,13 +147,33 @@ class RecordingInductor(Recorder):
                               for t in compiled(*args)]
 
 
-def _bf16_training(compiler, **kw):
+class DropBlock(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(d, d), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.relu(self.fc(x)))
+
+
+class DropHeaded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks, self.head = nn.ModuleList(DropBlock() for _ in range(3)), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _bf16_training(compiler, model_class=Headed, **kw):
     """optimize() of Headed in bf16 training under a regional capture: the original model under
     autocast, compiled, is the one candidate (and, timed by this clock, the faster)."""
     from tests.test_compile_gate import Bf16Cpu, ControlledClock, _opt
 
     torch.manual_seed(0)
-    model, x = Headed().train(), torch.randn(8, 16)
+    model, x = model_class().train(), torch.randn(8, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     clock = ControlledClock({"cast_to_half": 0.8, "compile": 0.7, "original": 0.5})
     fast, _ = _opt(model, (x,), clock, compiler, optimizer=opt, loss_fn=lambda out: out.float().pow(2).mean(),
@@ -216,3 +236,15 @@ def test_nested_blocks_that_raise_or_miscompile_are_compiled_again_without_regio
     assert [d.status for d in fast3.report.decisions if d.pass_name == "compile"] == ["replayed"]
     assert replayed.graphs and not any(_region_calls(gm) for gm in replayed.graphs)
     fast3.restore()
+
+
+def test_a_training_step_that_draws_dropout_is_compiled_without_regions():
+    """A reused region kept its dropout in the verification's dropout-off compile (OPT, torch
+    2.13), so a step that draws dropout is compiled whole without regions, once."""
+    rec = RecordingInductor()
+    model, _, fast = _bf16_training(rec, model_class=DropHeaded)
+    row, = [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
+    assert row.kept and row.sites == ["inductor (original model, autocast bfloat16)"], row
+    assert "nested" not in row.reason and rec.graphs and not any(_region_calls(gm) for gm in rec.graphs)
+    assert fast.report.plan["compile"]["nested"] is False
+    fast.restore()

@@ -218,10 +218,8 @@ class CompileGate:
 
     def _regional_not_offered(self, ex: Executor) -> Decision | None:
         """The row for the regional compile of the bf16 graphs where the original model under
-        autocast, compiled whole, is the one candidate (training under a regional capture with
-        a kept bf16 precision; `benchmarks/steps_bf16.json` for the row's figures). Without
-        AMX, LLaMA's block graph compiled in bf16 also failed verification (non-finite
-        gradients from Inductor's vectorized C++ code; ``cpp.simdlen = 1`` gives finite ones)."""
+        autocast, compiled whole, is the one candidate (training, a kept bf16 precision; the
+        row's figures: `benchmarks/steps_bf16.json`; the README says more)."""
         if self._forms(ex) != (True,):
             return None
         return Decision(NAME, False, "not tried",
@@ -232,13 +230,11 @@ class CompileGate:
                         "1.43x over the rewritten eager step)", scope="step")
 
     def _whole_not_offered(self, ex: Executor) -> Decision | None:
-        """The row for the whole original model's compile where it would have been weighed
-        (``compile="auto"`` or ``steps``) but is not offered (:meth:`_regional_one_candidate`):
-        a second compile (its blocks nested) for what one trace fuses across the graphs' edges.
-        GPT-2 training (4 layers, 2-core Xeon without AMX, one process, `.diag` run): the whole
-        model compiled ran 4.4% faster than every graph compiled regionally (0.956x ±0.006 side
-        by side; ~2.5 ms a step of it the regional calls' own overhead, seen at 16 tokens), a
-        second compile ~15 s cold; LLaMA, benchmarks.run: regional 1.17x, whole 1.15x."""
+        """The row for the whole original model's compile where it would have been weighed but is
+        not offered (:meth:`_regional_one_candidate`): a second compile for what one trace fuses
+        across the graphs' edges. GPT-2 training, 4 layers, Xeon without AMX: the whole model 4.4%
+        faster than every graph regionally (0.956x ±0.006; ~2.5 ms a step the regional calls' own
+        overhead), a second compile ~15 s cold; LLaMA, benchmarks.run: regional 1.17x, whole 1.15x."""
         r = self.run
         if not (self._weighed() and self._regional_one_candidate()):
             return None
@@ -263,8 +259,12 @@ class CompileGate:
             (f", autocast {str(autocast[1]).split('.')[-1]})" if autocast else ")")
 
     def _nests(self, ex: Executor) -> bool:
-        """The original model compiled whole nests its repeated blocks (Inductor: CompiledOriginal)."""
-        return ex.name == "inductor" and self.run.cap.nests and not self._unnested
+        """The original model compiled whole nests its repeated blocks (Inductor: CompiledOriginal);
+        not where a training step draws dropout: a reused region kept it in the verification's
+        dropout-off compile (OPT, torch 2.13, aot_eager too), so its numerics could not be checked."""
+        r = self.run
+        return ex.name == "inductor" and r.cap.nests and not self._unnested \
+            and not (r.job.training and has_dropout(r.cap, r.job.model))
 
     def _blocks_form(self) -> bool:
         """Nothing rewritten kept under a regional capture (training, or one call a step): the
@@ -362,8 +362,7 @@ class CompileGate:
         runner, compile_s, ok, detail, err = self._verified_build(ex, original)
         nesting = ""
         if not ok and original and self._nests(ex):
-            # torch 2.13: a region with a side effect (transformers' output recording in
-            # Mistral) raises, OPT's compiled wrong: the whole model again, without regions
+            # torch 2.13: a region with a side effect (Mistral's output recording) raises
             nesting = f"; with its blocks nested it {'raised' if runner is None else 'failed verification'}" \
                       f" ({detail[:200]}), compiled again without them"
             log.warning("rewriter: compile (%s): %s", self._label(ex, original), nesting[2:])
