@@ -60,8 +60,8 @@ class _Patch:
         # one region for the class: Dynamo reuses its compiled graph for every instance (the
         # parameters are the region's inputs), where a whole trace compiles each instance again.
         # It is the forward inside transformers' checkpoint (the cell's): a region around a
-        # checkpoint gave wrong gradients under Inductor in torch 2.13 (LLaMA, 2 layers, bf16
-        # autocast: the gradients' sum 1.35e6 against eager's 339), one inside it right ones.
+        # checkpoint gave wrong gradients under Inductor in torch 2.13, buffer reuse on (LLaMA,
+        # 2 layers, bf16 autocast: the gradients' sum 1.35e6 against eager's 339); inside, right.
         self.nested = torch.compiler.nested_compile_region(self.original)
         patch = self
 

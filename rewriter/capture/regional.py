@@ -207,10 +207,10 @@ class RegionalCapture(DynamoCapture):
 def _nested_instances(blocks: list[Any], flagged: list[nn.Module]) -> list[nn.Module]:
     """The instances a trace of the original model calls as one nested compile region a class
     (``torch.compiler.nested_compile_region``, rewriter.capture.install): those of a block with
-    two or more, where a whole trace compiles each instance again. Side by side,
-    bf16 autocast training, 4 layers, cold processes, 2-core Xeon with AMX (`.diag/nested_bf16.py`):
-    the first compiled step LLaMA 34.5 -> 29.4 s, GPT-2 36.2 -> 31.8 s, BERT 28.1 -> 27.8 s; the
-    steps level (whole over nested 0.985x, 1.015x, 1.004x, interleaved)."""
+    two or more, where a whole trace compiles each instance again. bf16 autocast training, 4
+    layers, a cold process each, 2-core Xeon with AMX (the README's figures; `python -m
+    benchmarks.layer_compile --bf16 --forms whole nested`): the first compiled step GPT-2 36.7 ->
+    31.7 s, BERT 28.4 -> 26.7 s, DistilBERT 28.7 -> 26.7 s; the steps level."""
     live = {id(m) for m in flagged}
     return [m for b in blocks if len(b.instances) > 1 for _, m in b.instances if id(m) in live]
 

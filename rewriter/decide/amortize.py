@@ -69,7 +69,7 @@ REPEATED_NODE_FACTOR = 0.15
 # The same under a nested compile region a block class (the original model compiled whole with
 # its repeated blocks nested, rewriter.capture.install): the later instances reuse the first's
 # compiled region, so only Dynamo's check of each call repeats. LLaMA, bf16 autocast, training,
-# cold, a process each (2-core Xeon with AMX, `.diag/nested_bf16.py`-style runs): 1 / 4 / 8
+# cold, a process each (2-core Xeon with AMX; `benchmarks.layer_compile --layers N`): 1 / 4 / 8
 # layers 26.7 / 29.4 / 31.2 s nested (whole: 24.8 / 34.5 / 43.8 s), ~0.6 s a later layer of ~71
 # nodes: 0.04 of the fit's seconds a node.
 NESTED_NODE_FACTOR = 0.04

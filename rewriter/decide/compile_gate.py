@@ -127,8 +127,8 @@ class CompileGate:
                     self._unnested = True
                     key = self._key(ex, original)
                     known = r.settings.knowledge_base.get(key)
-                # the whole original model's compile (its blocks nested) costs more than the
-                # regional one: weighed whenever the run's length is known, even when asked for
+                # the whole original model's compile, the costlier form: weighed whenever the
+                # run's length is known, even when compiling was asked for
                 weigh = choice == "auto" or (original and r.settings.steps is not None)
                 predicted = self._predicted(ex, known, original)
                 skip = self._not_worth_compiling(ex, steps, known, predicted, original) if weigh else None
