@@ -5,6 +5,7 @@ Inductor cache and an empty knowledge base of its own::
     python -m benchmarks.cold_one_time --models bert --configs compile optimize_steps20k
     python -m benchmarks.cold_one_time --models mistral phi3 --configs compile optimize_steps20k
     python -m benchmarks.cold_one_time --quick                     # tiny sizes: checks it runs
+    python -m benchmarks.cold_one_time --models llama --layers 8 --configs compile_expert_autocast optimize_bf16_steps20k
 
 In ``benchmarks.run`` every configuration shares one process and one Inductor cache: a
 configuration that runs after another finds Inductor imported, its ISA checks done and, for
@@ -25,31 +26,34 @@ DEFAULT_MODELS = ("llama", "gpt2", "bert")
 DEFAULT_CONFIGS = ("compile", "optimize_steps100", "optimize_steps20k")
 
 
-def one_time(model: str, config: str, quick: bool) -> dict:
-    """In this process: build the case, prepare ``config``, run its first step; the seconds."""
+def one_time(model: str, config: str, quick: bool, layers: int | None = None) -> dict:
+    """In this process: build the case (``layers``: at the benchmark size with that many), prepare
+    ``config``, run its first step; the seconds."""
     import copy
 
     from benchmarks.configs import CONFIGS, Setup
+    from benchmarks.decisions import _case
     from benchmarks.models import build_case
 
-    case = build_case(model, quick=quick, training=True)
+    case = _case(model, layers) if layers else build_case(model, quick=quick, training=True)
     setup = Setup(case, copy.deepcopy(case.model), True, quick)
     started = time.perf_counter()
     variant = CONFIGS[config].prepare(setup)
     prepared = time.perf_counter()
     variant.step()
     first = time.perf_counter() - prepared
-    return {"model": model, "config": config, "one_time_s": round(prepared - started + first, 2),
+    return {"model": model if not layers else f"{model} ({layers} layers)", "config": config,
+            "one_time_s": round(prepared - started + first, 2),
             "optimize_s": None if variant.optimize_seconds is None else round(variant.optimize_seconds, 2),
             "first_step_s": round(first, 2), "kept": [d for d in variant.notes if d.startswith("kept")]}
 
 
-def cold(model: str, config: str, quick: bool) -> dict:
+def cold(model: str, config: str, quick: bool, layers: int | None = None) -> dict:
     """:func:`one_time` in a fresh process with an empty Inductor cache and knowledge base."""
     from benchmarks.measure import in_fresh_process
 
     cmd = [sys.executable, "-m", "benchmarks.cold_one_time", "--one", model, config] + \
-        (["--quick"] if quick else [])
+        (["--quick"] if quick else []) + (["--layers", str(layers)] if layers else [])
     out = in_fresh_process(cmd, knowledge_base=True)
     if out.returncode != 0:
         return {"model": model, "config": config, "error": out.stderr.strip()[-1500:]}
@@ -85,18 +89,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help=f"default: {' '.join(DEFAULT_MODELS)}")
     p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=CONFIG_NAMES)
     p.add_argument("--quick", action="store_true", help="tiny sizes (checks the script runs)")
+    p.add_argument("--layers", type=int, help="the models at the benchmark size with this many layers")
     p.add_argument("--out", help="folder for COLD_ONE_TIME.md and cold_one_time.json")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(one_time(*args.one, args.quick)))
+        print(json.dumps(one_time(*args.one, args.quick, args.layers)))
         return 0
     from benchmarks.measure import machine_info, write_result
 
     rows = []
     for model in args.models:
         for config in args.configs:
-            rows.append(cold(model, config, args.quick))
+            rows.append(cold(model, config, args.quick, args.layers))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     command = "python -m benchmarks.cold_one_time " + " ".join(list(sys.argv[1:] if argv is None else argv))
     machine = machine_info()

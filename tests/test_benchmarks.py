@@ -364,6 +364,11 @@ def test_cold_one_time_costs_are_rows_and_a_failed_process_is_a_row_with_its_err
     text = cold_one_time.markdown(rows, "python -m benchmarks.cold_one_time", {"cpu": "X", "isa": {}})
     assert "| bert | compile | failed |" in text and "RuntimeError: no g++" in text
     assert "| bert | optimize_steps20k | 12.5 | 12.0 | 0.5 | kept: fuse_optimizer, compile |" in text
+    cmds = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: cmds.append(cmd) or types.SimpleNamespace(
+        returncode=1, stdout="", stderr="stopped here"))
+    cold_one_time.cold("llama", "compile", quick=False, layers=8)
+    assert cmds[0][-4:] == ["llama", "compile", "--layers", "8"]
 
 
 def test_compile_families_rows_come_from_fresh_processes_and_give_the_compile_verdict(monkeypatch):
