@@ -1,7 +1,10 @@
 """The original model compiled whole traces each repeated block as one nested compile region a
 class (``torch.compiler.nested_compile_region``; rewriter.capture.install's forward, switched on
-by RegionalCapture.lifted): one region compiled for every instance, except inside transformers'
-gradient checkpointing, where such a region gives wrong gradients under Inductor (torch 2.13)."""
+by RegionalCapture.lifted(nest=True)): one region compiled for every instance, with Inductor's
+buffer reuse off; none where a training step draws dropout; a nested compile that raises or
+fails verification is compiled again without regions. Under transformers' gradient
+checkpointing the region is the checkpointed forward, never around the checkpoint (that form
+gave wrong gradients under Inductor, torch 2.13)."""
 from __future__ import annotations
 
 import types
