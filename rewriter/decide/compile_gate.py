@@ -359,21 +359,19 @@ class CompileGate:
         r = self.run
         cache = self._cache(ex)
         warm = _cached(known, cache)  # this compile loads what an earlier one stored
-        runner, compile_s, ok, detail, err = self._verified_build(ex, original)
+        runner, compile_s, failed, detail, err = self._verified_build(ex, original)
         nesting = ""
-        if not ok and original and self._nests(ex):
+        if failed and original and self._nests(ex):
             # torch 2.13: a region with a side effect (Mistral's output recording) raises
-            nesting = f"; with its blocks nested it {'raised' if runner is None else 'failed verification'}" \
-                      f" ({detail[:200]}), compiled again without them"
+            nesting = f"; with its blocks nested it {failed} ({detail[:200]}), compiled again without them"
             log.warning("rewriter: compile (%s): %s", self._label(ex, original), nesting[2:])
             r.settings.knowledge_base.put(key, {"pass": NAME, "nesting_failed": detail[:500]})
             self._unnested = True
             key = self._key(ex, original)  # the form compiled next
-            runner, again_s, ok, detail, err = self._verified_build(ex, original)
+            runner, again_s, failed, detail, err = self._verified_build(ex, original)
             compile_s += again_s  # both compiles are paid
-        if not ok:
-            status = "raised" if runner is None else "failed verification"
-            return self._failed(ex, status, detail + nesting, err, original), None, ex, original
+        if failed:
+            return self._failed(ex, failed, detail + nesting, err, original), None, ex, original
         g, margin = r.settings.gate, compile_margin(r.settings.min_speedup)
         if known is not None:
             keep, reason = known_verdict(known, margin, g.noise_widths)
@@ -429,10 +427,9 @@ class CompileGate:
         # compile with rewrites set aside left them out of the plan's kept passes
         original = entry.get("form") == "original" and r.job.generation is None
         self._replaying, self._unnested = True, not entry.get("nested")  # as it was measured
-        runner, compile_s, ok, detail, err = self._verified_build(ex, original)
-        if not ok:
-            status = "raised" if runner is None else "failed verification"
-            r.report.decisions.append(self._failed(ex, status, detail, err))
+        runner, compile_s, failed, detail, err = self._verified_build(ex, original)
+        if failed:
+            r.report.decisions.append(self._failed(ex, failed, detail, err))
             return
         r.report.decisions.append(Decision(
             NAME, True, "replayed", f"{ex.name}: from plan, not measured; first compiled step "
@@ -490,12 +487,14 @@ class CompileGate:
             r.snapshot.restore()
         return runner, None
 
-    def _verified_build(self, ex: Executor, original: bool) -> tuple[Any, float, bool, str, float | None]:
-        """(runner or None if the compile raised, its seconds, verified, why, max error)."""
+    def _verified_build(self, ex: Executor, original: bool) -> tuple[Any, float, str | None, str, float | None]:
+        """(runner, its compile seconds, None or how it failed: "raised" or "failed
+        verification", the verification's words or why, max error)."""
         runner, compile_s, problem = self._build(ex, original)
         if problem is not None:
-            return None, compile_s, False, problem, None
-        return (runner, compile_s, *self._verify(runner))
+            return None, compile_s, "raised", problem, None
+        ok, detail, err = self._verify(runner)
+        return runner, compile_s, None if ok else "failed verification", detail, err
 
     def _step(self, runner: Callable[..., Any]) -> Step:
         """The composed step (rewrites kept, fused optimizer kept) with the compiled runner; for
