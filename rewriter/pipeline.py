@@ -19,7 +19,8 @@ they went in, also when a pass raises or the user interrupts.
 The flow is :meth:`Run._execute`; the stages it calls live by idea in mixins of ``Run``:
 capturing (rewriter.capture.choose), a pass decided per region signature (rewriter.decide.regions),
 a pass decided on the whole step, and the memory objective (rewriter.decide.step), plans and
-replay (rewriter.decide.replay); the step check and the compile decision are objects of their own
+replay (rewriter.decide.replay); the step check and the compile decision (decided first where it
+would supersede the passes: rewriter.decide.compile_first) are objects of their own
 (rewriter.decide.confirm, rewriter.decide.compile_gate), which read the run through rewriter.decide.run_view.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ from rewriter.capture.front_ends import Capture, DynamoCapture, GraphSlot
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide import memory
 from rewriter.decide.amortize import MIN_BUDGET, deciding_budget
+from rewriter.decide.compile_first import compile_first
 from rewriter.decide.compile_gate import CompileGate
 from rewriter.decide.confirm import Confirmation, KeptUnit, fewest_pairs
 from rewriter.decide.gate import Clock, GateSettings, Step, device_clock, figure, measure
@@ -150,6 +152,7 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         self.run_is_short = False  # steps= shortened the time budget
         self.compiled: dict | None = None  # set by CompileGate when the compiled form is kept
         self.compile_plan: dict | None = None
+        self.compiled_first: Decision | None = None  # decided first, not kept: not compiled again
         # the pass scan's figures (rewriter.decide.hot_first): original regions' ms by scan key,
         # and its recording, (what the model ran as, values), while deciding
         self._scanned: dict[tuple, float] = {}
@@ -190,9 +193,8 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
             cap.engage()
 
     def _warm_step_seconds(self) -> float:
-        """One more eager step, timed: on a device the reference run (the first) loads every
-        kernel it launches, and the step it stands for, with every "negligible" share of it,
-        was overstated (an H200: 930 ms for an 18 ms step, and SDPA's 0.9 ms saving rejected)."""
+        """One more eager step, timed: on a device the reference run (the first) loads every kernel
+        it launches, so it overstated the step (an H200: 930 ms for 18 ms; SDPA's 0.9 ms rejected)."""
         t0 = time.perf_counter()
         self.job.numerics(self.job.model)
         self.job.backend.synchronize()
@@ -225,18 +227,23 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
                 self.cap.on_new_graph = self._on_new_graph
             fingerprint = self._fingerprint()
             plan = self._plan_to_replay(fingerprint)
+            first = False  # the compile decided before the passes, and kept
             if plan is not None:
                 self._replay(plan)
             else:
-                self._decide()
-                use_original = not self._confirm()
+                if self.job.optimizer is not None:  # first: it saves the most per second of deciding
+                    self._decide_optimizer()
+                first = compile_first(self, self.passes)
+                if not first:
+                    self._decide()
+                    use_original = not self._confirm()
                 snapshot.restore()
             if use_original:
                 self._drop_all()
             # the graph compiler: one more candidate, on the whole step
             if plan is not None:
                 CompileGate(self).replay(plan.get("compile"))
-            else:
+            elif not first:
                 CompileGate(self).decide()
             self.settings.knowledge_base.save()
             if self._profiles():
@@ -298,8 +305,7 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         try:
             yield
         finally:
-            phases = self.report.phases
-            phases[name] = round(phases.get(name, 0.0) + time.perf_counter() - t0, 3)
+            self.report.phases[name] = round(self.report.phases.get(name, 0.0) + time.perf_counter() - t0, 3)
 
     def _remaining(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
@@ -330,13 +336,12 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         applied on top, speculatively; then it is decided itself on the whole step, with the
         kept rewrites in. When it is rejected, the others are decided again at full precision.
 
-        The fused optimizer comes first: measured on its own step (no graph rewrite changes it),
-        it saves the most per second of deciding (LLaMA with 32 000 words: ~48 ms a step for
-        1.0 s of deciding; the loss ~75 ms for ~2.5 s, the kept output ~25 ms for ~4 s; ordered
-        among the regions by its step's time, it was not reached at steps=100).
+        The fused optimizer is decided before (``_execute``): measured on its own step (no graph
+        rewrite changes it), it saves the most per second of deciding (LLaMA with 32 000 words:
+        ~48 ms a step for 1.0 s of deciding; the loss ~75 ms for ~2.5 s, the kept output ~25 ms
+        for ~4 s; ordered among the regions by its step's time, it was not reached at steps=100);
+        then, where it would supersede them, the compile (rewriter.decide.compile_first).
         """
-        if self.job.optimizer is not None:
-            self._decide_optimizer()
         precision = [p for p in self.passes if p.sets_precision]
         others = [p for p in self.passes if not p.sets_precision]
         speculate = [p for p in precision if p.applies_to(self.ctx) is None][:1]

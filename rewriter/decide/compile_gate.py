@@ -38,6 +38,7 @@ from rewriter.capture.front_ends import DynamoCapture, FxCapture
 from rewriter.capture.ir import structure_signature
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.amortize import DEFAULT_STEPS, MAX_SAVING, Payback, predict_compile_seconds
+from rewriter.decide.compile_offers import regional_not_offered, whole_not_offered
 from rewriter.decide.compile_size import compile_nodes, repeated_nodes
 from rewriter.decide.gate import Step, clearly_one_way, decide, known_verdict, measure, saved_ms
 from rewriter.decide.job import switched
@@ -99,6 +100,9 @@ class CompileGate:
         self.run = run
         self._replaying = False  # a plan's compile: what the plan keeps, nothing set aside
         self._unnested = False  # the blocks nested raised or failed verification: not again
+        # under autocast with no precision pass kept: decided first (rewriter.decide.compile_first)
+        # or a plan's; ``baseline``: the eager step the compiled one is timed against
+        self.under_autocast, self.baseline = False, None
 
     # --- deciding ------------------------------------------------------------------------------
     def decide(self) -> None:
@@ -116,30 +120,22 @@ class CompileGate:
             r.report.notes.append("compile: not tried: " + "; ".join(declined))
         steps = self.steps()
         tried, not_offered = [], []
+        if r.compiled_first is not None:  # decided first and not kept: its row, not again
+            r.report.decisions.append(r.compiled_first)
         for ex in found:
             # the candidates (:meth:`_forms`): the compiler is never handed a worse input than
             # the model's own code, and the fastest one verified runs
             forms = self._forms(ex)
             for original in forms:
-                key = self._key(ex, original)
-                known = r.settings.knowledge_base.get(key)
-                if original and known and "nesting_failed" in known:  # an earlier run's fallback
-                    self._unnested = True
-                    key = self._key(ex, original)
-                    known = r.settings.knowledge_base.get(key)
-                # the whole original model's compile, the costlier form: weighed whenever the
-                # run's length is known, even when compiling was asked for
-                weigh = choice == "auto" or (original and r.settings.steps is not None)
-                predicted = self._predicted(ex, known, original)
-                skip = self._not_worth_compiling(ex, steps, known, predicted, original) if weigh else None
+                if original and r.compiled_first is not None:
+                    continue
+                key, known, skip, predicted = self.weighed(ex, original, choice, steps)
                 if skip is not None:
                     r.report.decisions.append(skip)
                     log.info("rewriter: compile (%s): not tried: %s", self._label(ex, original), skip.reason)
-                else:  # the longest silence of a run: say what is coming
-                    log.info("rewriter: compile (%s): compiling, about %.0f s (%s), then verifying "
-                             "and measuring", self._label(ex, original), *predicted[:2])
-                    tried.append(self._try(ex, steps, key, known, original))
-            row = self._whole_not_offered(ex) or self._regional_not_offered(ex)
+                else:
+                    tried.append(self.attempt(ex, steps, key, known, original, predicted))
+            row = whole_not_offered(self, ex) or regional_not_offered(self, ex)
             if row is not None:
                 not_offered.append(row)
         kept = [t for t in tried if t[0].kept]
@@ -160,6 +156,30 @@ class CompileGate:
             self._install(best[1], best[2])
         else:
             r.compile_plan = {"executor": found[0].name, "kept": False}
+
+    def weighed(self, ex: Executor, original: bool, choice: Any, steps: int | None
+                ) -> tuple[str, dict | None, Decision | None, tuple[float, str, int]]:
+        """(the knowledge-base key, its entry, a "not tried" row when the predicted compile would
+        not repay within the run, the prediction). The whole original model's compile, the
+        costlier form, is weighed whenever the run's length is known, even when asked for."""
+        r = self.run
+        key = self._key(ex, original)
+        known = r.settings.knowledge_base.get(key)
+        if original and known and "nesting_failed" in known:  # an earlier run's fallback
+            self._unnested = True
+            key = self._key(ex, original)
+            known = r.settings.knowledge_base.get(key)
+        weigh = choice == "auto" or (original and r.settings.steps is not None)
+        predicted = self._predicted(ex, known, original)
+        skip = self._not_worth_compiling(ex, steps, known, predicted, original) if weigh else None
+        return key, known, skip, predicted
+
+    def attempt(self, ex: Executor, steps: int | None, key: str, known: dict | None, original: bool,
+                predicted: tuple[float, str, int]) -> tuple[Decision, Callable[..., Any] | None, Executor, bool]:
+        """:meth:`_try`, said first: the longest silence of a run."""
+        log.info("rewriter: compile (%s): compiling, about %.0f s (%s), then verifying and measuring",
+                 self._label(ex, original), *predicted[:2])
+        return self._try(ex, steps, key, known, original)
 
     def _set_aside(self, ex: Executor) -> list[str]:
         """Under a regional capture (no kept bf16 precision to run as autocast), the kept graph
@@ -196,7 +216,7 @@ class CompileGate:
     def _forms(self, ex: Executor) -> tuple[bool, ...]:
         """The candidates, each ``original`` or not (the model as it now runs, compiled): under
         a regional capture one (:meth:`_regional_one_candidate`; beside a kept bf16 precision,
-        in training, the original model under autocast, :meth:`_regional_not_offered`, in
+        in training, the original model under autocast, rewriter.decide.compile_offers, in
         inference both); otherwise the rewritten model, and the original one beside it when
         rewrites are kept (else the original is what is compiled anyway), a kept precision can
         run as autocast (bf16: a precision pass is a rewrite the compiler cannot make; fp16's
@@ -215,36 +235,6 @@ class CompileGate:
         beside = bool(r.kept) and r.job.generation is None and \
             (self._autocast() is not None or not any(kp.pass_.sets_precision for kp in r.kept))
         return (False, True) if beside else (False,)
-
-    def _regional_not_offered(self, ex: Executor) -> Decision | None:
-        """The row for the regional compile of the bf16 graphs where the original model under
-        autocast, compiled whole, is the one candidate (training, a kept bf16 precision; the
-        row's figures: `benchmarks/steps_bf16.json`; the README says more)."""
-        if self._forms(ex) != (True,):
-            return None
-        return Decision(NAME, False, "not tried",
-                        f"{ex.name} (regional, the bf16 graphs): the original model under autocast "
-                        f"({self._label(ex, True)}) is the candidate beside a kept bf16 precision, "
-                        "one compile; the bf16 graphs compiled regionally lost to it on every model "
-                        "measured (AMX Xeon, training: 1.22x / 1.06x / 0.98x against 1.59x / 1.30x / "
-                        "1.43x over the rewritten eager step)", scope="step")
-
-    def _whole_not_offered(self, ex: Executor) -> Decision | None:
-        """The row for the whole original model's compile where it would have been weighed but is
-        not offered (:meth:`_regional_one_candidate`): a second compile for what one trace fuses
-        across the graphs' edges. GPT-2 training, 4 layers, Xeon without AMX: the whole model 4.4%
-        faster than every graph regionally (0.956x ±0.006; ~2.5 ms a step the regional calls' own
-        overhead), a second compile ~15 s cold; LLaMA, benchmarks.run: regional 1.17x, whole 1.15x."""
-        r = self.run
-        if not (self._weighed() and self._regional_one_candidate()):
-            return None
-        cost = predict_compile_seconds(compile_nodes(r, original=True), r.job.training,
-                                       repeated=repeated_nodes(r, original=True), nested=self._nests(ex))
-        return Decision(NAME, False, "not tried",
-                        f"{self._label(ex, True)}: the regional compile ({self._label(ex, False)}) "
-                        f"is the candidate; the whole model's compile (predicted {cost:.1f} s) is "
-                        "not paid beside it for fusing across the graphs' edges", scope="step",
-                        measurement={"predicted_compile_seconds": round(cost, 3)})
 
     def _label(self, ex: Executor, original: bool) -> str:
         """A compile candidate's name in the report: the executor, and which model it compiles."""
@@ -277,7 +267,7 @@ class CompileGate:
         """The precision the kept rewrites set, for the original model compiled: (device type,
         bf16) under a kept precision pass with ``dtype=torch.bfloat16``, else None."""
         r = self.run
-        if r.job.dtype is torch.bfloat16 and any(kp.pass_.sets_precision for kp in r.kept):
+        if r.job.dtype is torch.bfloat16 and (self.under_autocast or any(kp.pass_.sets_precision for kp in r.kept)):
             return r.job.backend.name, torch.bfloat16  # "cpu", "cuda", "npu": autocast's device types
         return None
 
@@ -382,7 +372,7 @@ class CompileGate:
             deadline = None if r.deadline is None else max(
                 r.deadline, time.perf_counter() + 2 * r._confirm_reserve())
             with r._phase("measure"):
-                m = measure(r.composed_step(), self._step(runner), clock=r.clock, settings=g,
+                m = measure(self.baseline or r.composed_step(), self._step(runner), clock=r.clock, settings=g,
                             min_speedup=margin, deadline=deadline, early=clearly_one_way(margin, g))
             r.snapshot.restore()
             keep, reason = decide(m, margin, g.noise_widths)
@@ -427,6 +417,7 @@ class CompileGate:
         # compile with rewrites set aside left them out of the plan's kept passes
         original = entry.get("form") == "original" and r.job.generation is None
         self._replaying, self._unnested = True, not entry.get("nested")  # as it was measured
+        self.under_autocast = entry.get("autocast") == "bfloat16"  # no precision pass in the plan
         runner, compile_s, failed, detail, err = self._verified_build(ex, original)
         if failed:
             r.report.decisions.append(self._failed(ex, failed, detail, err))
@@ -555,6 +546,7 @@ class CompileGate:
         form = (" (original, blocks nested)" if self._nests(ex) else " (original)") if original else \
             (" (regional" + (f", without {','.join(aside)}, eager outside" if aside else "") + ")"
              if regional else "")
+        form += " (against the eager step under autocast)" if self.baseline is not None else ""
         text = "|".join([NAME, ex.name + form, r.job.backend.name,
                          r.job.mode, str(r.job.dtype), plans.graph_hash(graphs),
                          plans.tensor_hash(r.job.model),  # op names alone: LLaMA's and Qwen2's
@@ -578,6 +570,8 @@ class CompileGate:
         r.compile_plan = {"executor": ex.name, "kept": True}
         if isinstance(runner, CompiledOriginal):
             r.compile_plan.update(form="original", nested=runner.nest)
+            if runner.autocast is not None:  # the precision pass is superseded: out of the plan
+                r.compile_plan["autocast"] = str(runner.autocast[1]).split(".")[-1]
         elif getattr(runner, "set_aside", ()):  # superseded, out of the plan's kept passes
             r.compile_plan["set_aside"] = list(runner.set_aside)
         if not r.report.final.get("kept"):  # no rewrite kept: the original model, compiled, runs

@@ -27,8 +27,9 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
-from rewriter.decide.gate import GateSettings, Measurement, clear_of_one, figure, measure
+from rewriter.decide.gate import GateSettings, Measurement, Step, clear_of_one, figure, measure
 from rewriter.decide.run_view import RunView
 from rewriter.devices.host_memory import fresh_pages_note
 
@@ -173,16 +174,20 @@ def _known(r: RunView, key: str | None) -> tuple[Measurement, str] | None:
 
 
 def _measure_slower(self: Confirmation) -> tuple[Measurement, bool, Measurement | None]:
-    """The step check, and whether the composed step is measurably slower. A regression
-    reverts decisions the regions measured faster, so it must show twice: the machine drifting
-    between the two models' samples reads like one (a convnet's fused AdamW, 1.3 % of its step,
-    once read 0.937x ±0.026 over 9 pairs). Returns the measurement that decides, the verdict,
-    and the first one when a second did not confirm it."""
-    r = self.owner
-    m = _measure(self)
+    return step_check(self.owner, self.owner.composed_step)
+
+
+def step_check(r: RunView, candidate: Callable[[], Step]) -> tuple[Measurement, bool, Measurement | None]:
+    """The step check of ``candidate()`` (the composed step; a compiled one decided first,
+    rewriter.decide.compile_first), and whether it is measurably slower than the original. A
+    regression reverts decisions the regions measured faster, so it must show twice: the machine
+    drifting between the two models' samples reads like one (a convnet's fused AdamW, 1.3 % of
+    its step, once read 0.937x ±0.026 over 9 pairs). Returns the measurement that decides, the
+    verdict, and the first one when a second did not confirm it."""
+    m = _measure(r, candidate())
     if not _slower(m, r):
         return m, False, None
-    again = _measure(self)
+    again = _measure(r, candidate())
     if _slower(again, r):
         return m, True, None
     return again, False, m
@@ -245,8 +250,7 @@ def _floor(r: RunView) -> float:
         min(g.regression, 1.0 / (1.0 + r.settings.memory_slowdown))
 
 
-def _measure(self: Confirmation) -> Measurement:
-    r = self.owner
+def _measure(r: RunView, candidate: Step) -> Measurement:
     g = r.settings.gate
     # Both models ran just before (the reference, the capture check and the composed check): no
     # warm-up. (A fused optimizer twin allocates its state in its first timed step: a few ms
@@ -260,7 +264,7 @@ def _measure(self: Confirmation) -> Measurement:
     # The budget holds the confirmation's reserve back; past it, the step check takes only the
     # fewest pairs (and inconclusive stays inconclusive: the region decisions stand).
     deadline = None if r.deadline is None else max(r.deadline, time.perf_counter() + r._confirm_reserve())
-    m = measure(r.original_step(), r.composed_step(), clock=r.clock, settings=once, min_speedup=1.0,
+    m = measure(r.original_step(), candidate, clock=r.clock, settings=once, min_speedup=1.0,
                 deadline=deadline, enough=lambda m: _answered(m, g, _floor(r)),
                 early=lambda m: _unanimously_faster(m, g))
     r.snapshot.restore()

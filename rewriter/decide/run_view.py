@@ -30,6 +30,7 @@ class RunView(Protocol):
     dispatch_ms: float  # a regional generation's installed-graph cost a step (0: none measured)
     compiled: dict | None
     compile_plan: dict | None
+    compiled_first: Any  # the compile decided first and not kept (rewriter.decide.compile_first), or None
 
     def _phase(self, name: str) -> contextlib.AbstractContextManager[None]: ...
 
