@@ -96,7 +96,8 @@ def _compile_cell(rows: list[dict]) -> str:
     c = tried[0]
     figure = f" {c['speedup']:.3f}x" if c.get("speedup") else ""
     detail = "" if c["status"] in ("kept", "rejected") else f": {c['reason'][:160]}"
-    return f"{c['status']}{figure}{detail}"
+    first = " (decided first)" if c["reason"].startswith(("decided first", "slower than the original step")) else ""
+    return f"{c['status']}{figure}{first}{detail}"
 
 
 def markdown(rows: list[dict], command: str, machine: dict, bf16: bool = False) -> str:
@@ -107,7 +108,9 @@ def markdown(rows: list[dict], command: str, machine: dict, bf16: bool = False) 
              machine_line(machine), "",
              f"Training, AdamW, `optimize(steps={STEPS}{', dtype=torch.bfloat16' if bf16 else ''})`, each family in a fresh process with an empty "
              f"Inductor cache and no knowledge base; 4 layers, hidden 256, vocabulary 8000, batch "
-             f"{BATCH} x {TOKENS}. Compile: over the rewritten eager step, side by side in that process.", "",
+             f"{BATCH} x {TOKENS}. Compile: over the rewritten eager step, side by side in that process "
+             "(decided first, rewriter.decide.compile_first: over the eager step under autocast, then "
+             "checked against the original step).", "",
              "| family | capture | compile | kept | optimize() s | of it, compile s | failed verification |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
