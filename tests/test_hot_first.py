@@ -166,3 +166,35 @@ def test_a_pass_measured_on_the_whole_step_is_ordered_by_all_it_changes():
     # its softmax is ~10 000 times the tanh: measured first, though registered second
     measured = [s[0] for s in clock.seen if len(s) == 1 and s[0] in ("cool", "hot")]
     assert measured[0] == "hot" and "cool" in measured
+
+
+class LinearThenMm(nn.Module):
+    """A linear (bf16 under the precision pass's casts), its output into a matmul with an fp32
+    weight of the model's own, and a small tanh on the side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.w = nn.Linear(256, 256), nn.Parameter(torch.randn(256, 256) / 16)
+
+    def forward(self, x, small):
+        return torch.matmul(self.fc(x), self.w).sum() + torch.tanh(small).sum()
+
+
+def test_the_scan_times_each_region_in_the_precision_its_values_were_recorded_in():
+    """Deciding in bf16 (the precision pass applied speculatively), the recording run holds the
+    linear's output in bf16: the matmul region timed as captured (its weight fp32) raised on it,
+    and every pass was measured as registered (GPT-2's attention, bf16). Timed with the
+    precision's casts written in, the hot matmul goes first."""
+    from tests.controlled import Bf16Cpu
+
+    torch.manual_seed(0)
+    clock = OriginalsOnTheWall({"cool": 0.5, "hot": 0.5, "cast_to_half": 0.5})
+    hot = Replace("hot", torch.matmul)
+    hot.fn = torch.matmul  # itself, so the precision's casts apply to the replacement as well
+    rewriter.optimize(LinearThenMm(), (torch.randn(256, 256), torch.randn(4, 4)),
+                      passes=[Replace("cool", torch.tanh), hot, "cast_to_half"],
+                      dtype=torch.bfloat16, device=Bf16Cpu(), clock=clock,
+                      gate=dataclasses.replace(QUICK, negligible=0.0), profile=False, progress=False,
+                      knowledge_base=False)
+    measured = [p for s in clock.seen for p in s if p in ("cool", "hot")]
+    assert measured and measured[0] == "hot", measured

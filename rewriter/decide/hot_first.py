@@ -122,7 +122,7 @@ class HotFirst:
         if len(found) < 2:  # nothing to order
             return {k: 0.0 for k in range(len(found))}, {k: set() for k in range(len(found))}
         firsts = [(slot, r) for groups in found if groups for _, slot, r, _ in groups]
-        values = None
+        values, overlay = None, self._region_overlay()
         if firsts and not self._out_of_time():
             with self._phase("record"):
                 values = self._record(firsts)
@@ -143,8 +143,12 @@ class HotFirst:
             with self._phase("measure"):
                 ms = 0.0
                 for key, slot, r, calls in groups:
-                    once = original_ms(r, self._values(values, slot, r), self.job.training, clock=self.clock)
-                    self._scanned[key] = once
+                    # in the precision the values were recorded in (a bf16 value into the fp32
+                    # region: GPT-2's attention raised, and every pass went as registered)
+                    once = original_ms(r, self._values(values, slot, r), self.job.training, clock=self.clock,
+                                       forms=self._forms(r, overlay))
+                    if overlay is None:  # the decisions reuse a time taken as they run (_scanned_ms)
+                        self._scanned[key] = once
                     ms += once * calls
             potential[k] = ms
         return potential, touches

@@ -83,9 +83,7 @@ class RegionDecisions:
                 return self._try_on_step(p, descriptions, note="measured on the whole step: a "
                                          "graph was not run in the recording run")
             values = recorded
-        precise = self.kept + ([KeptPass(q) for q in self.passes if q.sets_precision]
-                               if getattr(self, "_speculative", False) else [])
-        overlay = overlay_for(precise, dataclasses.replace(self.ctx, region=True))
+        overlay = self._region_overlay()
         kept_sigs, rows, kept_structures, rejected_structures, rejected = set(), [], set(), set(), set()
         worst_err: float | None = None  # None: no region of it verified (none run, or all failed)
         for sig, members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
@@ -345,6 +343,14 @@ class RegionDecisions:
     @staticmethod
     def _values(values: dict[str, dict[str, Recorded]], slot: GraphSlot, r: Region) -> list[Recorded]:
         return [values[slot.name][name] for name in r.inputs]
+
+    def _region_overlay(self) -> Any:
+        """The precision a region runs in, as casts written into it (None: as captured): the
+        kept precision pass, or, while the other passes are decided in it speculatively, the
+        one to come. The recording run ran in it, so a region's recorded values are in it."""
+        precise = self.kept + ([KeptPass(q) for q in self.passes if q.sets_precision]
+                               if getattr(self, "_speculative", False) else [])
+        return overlay_for(precise, dataclasses.replace(self.ctx, region=True))
 
     @staticmethod
     def _forms(r: Region, overlay: Any) -> tuple[Any, Any] | None:
