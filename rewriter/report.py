@@ -33,7 +33,10 @@ class Decision:
 
     pass_name: str
     kept: bool
-    status: str  # kept | rejected | no sites | not applicable | failed verification | raised | replayed | reverted | superseded (the original model compiled runs instead)
+    # kept | rejected | no sites | not applicable | failed verification | raised | replayed | reverted |
+    # superseded (the original model compiled runs instead) | not reached (the time budget) | not tried
+    # (a compile not paid; a pass not measured beside a compile decided first, decide.compile_first)
+    status: str
     reason: str
     speedup: float | None = None
     noise: float | None = None
