@@ -129,3 +129,29 @@ def test_a_plan_replays_the_compiled_original_under_the_autocast_it_was_measured
             assert again(x).dtype == torch.bfloat16
     finally:
         again.restore()
+
+
+class SlowCompiler(FakeCompiler):
+    """A compile that takes ``seconds`` of wall time (the deciding budget is wall time)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def __call__(self, gm, example_inputs):
+        import time
+        time.sleep(self.seconds)
+        return super().__call__(gm, example_inputs)
+
+
+def test_a_compile_decided_first_and_not_kept_leaves_the_passes_the_deciding_budget_they_had():
+    """The compile after the passes never took their budget; decided first and not kept, the
+    seconds it took are added back (a 1 s budget, a compile of 1.2 s)."""
+    clock = ControlledClock({"cast_to_half": 0.8, "a": 0.9, "compile": 1.6, "original": 1.0})
+    fast, _ = _train(clock, SlowCompiler(1.2), time_budget=1.0)
+    try:
+        (compiled,) = [d for d in _rows(fast, "compile") if d.status != "not tried"]
+        assert not compiled.kept and compiled.reason.startswith("decided first"), compiled.reason
+        assert _rows(fast, "a")[0].status == "kept", _rows(fast, "a")[0].reason
+    finally:
+        fast.restore()

@@ -20,7 +20,8 @@ right after the fused optimizer::
    measurably slower, twice, and it is not kept.
 
 Not kept (slower, not repaid, raised, failed verification or the step check), the passes and
-the precision are decided as before, and the compile gate does not pay the same compile again.
+the precision are decided as before, within the deciding budget they had before it (the time the
+compile took is added back), and the compile gate does not pay the same compile again.
 What is given up: the eager bf16 rewrites are not timed against the compiled form. On the
 benchmark families that form was 1.07-1.38x faster than the rewritten eager bf16 step
 (`benchmarks/COMPILE_FAMILIES_BF16.md`); a model where the rewritten eager step beats it would
@@ -29,6 +30,7 @@ keep the compile, measured faster than the eager step under autocast and the ori
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -78,6 +80,7 @@ def compile_first(run: RunView, passes: list[Pass]) -> bool:
     if skip is not None:  # decided with the passes, as before
         return False
     log.info("rewriter: compile decided first: it would supersede every eager rewrite")
+    started = time.perf_counter()
     d, runner, ex, _ = gate.attempt(ex, steps, key, known, True, predicted)
     d.reason = f"decided first, against the eager step under autocast: {d.reason}"
     m = None
@@ -89,6 +92,8 @@ def compile_first(run: RunView, passes: list[Pass]) -> bool:
     log.info("rewriter: compile (%s): %s: %s", d.sites[0] if d.sites else ex.name, d.status, d.reason)
     if not d.kept:  # its row goes beside the compile gate's (CompileGate.decide)
         run.compiled_first = d
+        if run.deadline is not None:  # the passes get the budget they had before it, as the
+            run.deadline += time.perf_counter() - started  # compile after them never took theirs
         return False
     optimizer_rows = run.report.decisions
     run.report.decisions = [_not_decided(p, run, d) for p in passes] + optimizer_rows + [d]
