@@ -7,21 +7,19 @@ worse input than the model's own code. Under a regional capture one compile is p
 the regional compile (every graph once, built without the kept rewrites the compiler makes
 itself, :data:`COMPILER_DOES_ITSELF`); beside a kept bf16 precision in training, the original
 model under autocast compiled whole, its repeated blocks nested compile regions (Inductor; one
-that raises or fails verification is compiled again without them). Which forms are offered,
-and why: :meth:`CompileGate._forms` and the README. The compiled form is verified like any
-rewrite and timed against the rewritten eager step with the rules of every step-scope decision
-(:func:`rewriter.decide.gate.decide`), at half the region margin (:func:`compile_margin`)::
+that raises or fails verification is compiled again without them; decided first where it would
+supersede every rewrite: rewriter.decide.compile_first). Which forms, and why: :meth:`_forms`,
+the README. Verified like any rewrite (dropout: same_masks.py), timed against the rewritten
+eager step by the step-scope rules (gate.decide) at half the region margin (:func:`compile_margin`)::
 
     CompileGate(run).decide()          # optimize(compile=True)
     CompileGate(run).replay(entry)     # a plan's {"executor": ..., "kept": True}: no measuring
 
 A compile is a one-time cost (rewriter.decide.amortize): with ``compile="auto"`` or ``steps`` it
-is first predicted (the knowledge base's figure, else a fit on the graphs' node count) and not
-paid when even saving half of every step would not repay it within the first tenth of the run;
-a faster compiled form is kept only when its measured saving repays its measured seconds within
-the run (the row gives the cost, the saving and the break-even step). Inductor's persistent
-caches live beside the knowledge base (rewriter.devices.compile_cache). The decision goes into
-the knowledge base and the plan, so a later run compiles and verifies but does not measure.
+is first predicted and not paid when even saving half of every step would not repay it within
+the first tenth of the run; a faster compiled form is kept only when its measured saving repays
+its measured seconds within the run. Inductor's caches live beside the knowledge base
+(rewriter.devices.compile_cache); the decision goes into it and the plan.
 """
 from __future__ import annotations
 
@@ -44,6 +42,7 @@ from rewriter.decide.gate import Step, clearly_one_way, decide, known_verdict, m
 from rewriter.decide.job import switched
 from rewriter.decide.knowledge import entry_key
 from rewriter.decide.run_view import RunView
+from rewriter.decide.same_masks import verify_with_masks
 from rewriter.decide.set_aside import compile_sources
 from rewriter.decide.verify import compare_runs, dropout_disabled, tolerance_for
 from rewriter.devices.compile_cache import cache_folder, is_warm, use_persistent_cache
@@ -100,8 +99,8 @@ class CompileGate:
         self.run = run
         self._replaying = False  # a plan's compile: what the plan keeps, nothing set aside
         self._unnested = False  # the blocks nested raised or failed verification: not again
-        # under autocast with no precision pass kept: decided first (rewriter.decide.compile_first)
-        # or a plan's; ``baseline``: the eager step the compiled one is timed against
+        self._masks = False  # the form built last draws eager's dropout masks (same_masks.py)
+        # autocast, no precision pass kept (compile_first, a plan's); the eager step timed against
         self.under_autocast, self.baseline = False, None
 
     # --- deciding ------------------------------------------------------------------------------
@@ -159,9 +158,8 @@ class CompileGate:
 
     def weighed(self, ex: Executor, original: bool, choice: Any, steps: int | None
                 ) -> tuple[str, dict | None, Decision | None, tuple[float, str, int]]:
-        """(the knowledge-base key, its entry, a "not tried" row when the predicted compile would
-        not repay within the run, the prediction). The whole original model's compile, the
-        costlier form, is weighed whenever the run's length is known, even when asked for."""
+        """(knowledge-base key, its entry, a "not tried" row if the predicted compile would not repay
+        within the run, the prediction); the whole model's, when the run's length is known."""
         r = self.run
         key = self._key(ex, original)
         known = r.settings.knowledge_base.get(key)
@@ -250,11 +248,16 @@ class CompileGate:
 
     def _nests(self, ex: Executor) -> bool:
         """The original model compiled whole nests its repeated blocks (Inductor: CompiledOriginal);
-        not where a training step draws dropout: a reused region kept it in the verification's
-        dropout-off compile (OPT, torch 2.13, aot_eager too), so its numerics could not be checked."""
+        not where a training step's dropout is verified off: a reused region kept it in that
+        compile (OPT, torch 2.13, aot_eager too). Verified with the same masks, it nests."""
         r = self.run
-        return ex.name == "inductor" and r.cap.nests and not self._unnested \
-            and not (r.job.training and has_dropout(r.cap, r.job.model))
+        return ex.name == "inductor" and r.cap.nests and not self._unnested and not (
+            r.job.training and has_dropout(r.cap, r.job.model) and not self._same_masks(ex))
+
+    def _same_masks(self, ex: Executor) -> bool:
+        r = self.run  # drawing eager's dropout masks, verified with dropout on (same_masks.py)
+        return ex.name == "inductor" and r.job.backend.name == "cpu" and r.job.training \
+            and has_dropout(r.cap, r.job.model)
 
     def _blocks_form(self) -> bool:
         """Nothing rewritten kept under a regional capture (training, or one call a step): the
@@ -432,9 +435,8 @@ class CompileGate:
 
     # --- parts ---------------------------------------------------------------------------------
     def _build(self, ex: Executor, original: bool = False) -> tuple[Callable[..., Any] | None, float, str | None]:
-        """The compiled runner, compiled by one step run through it (its time is the compile
-        time the user pays at the first step). ``original``: the original model compiled whole
-        while the rewrites stay kept (:class:`CompiledOriginal`)."""
+        """The compiled runner, compiled by one step run through it (the user's first step's
+        time); ``original``: the original model compiled whole (:class:`CompiledOriginal`)."""
         t0 = time.perf_counter()
         # a cold Inductor builds a test program per ISA, one after another: side by side here,
         # ended before the compiled step is timed
@@ -447,11 +449,13 @@ class CompileGate:
 
     def _compiled(self, ex: Executor, original: bool) -> tuple[Callable[..., Any] | None, str | None]:
         r = self.run
+        blocks = self._blocks_form()  # the model's own code compiled: eager's dropout masks
+        self._masks = self._same_masks(ex) and (original or not (r.kept or blocks))
         if original:
             try:
                 with r._phase("compile"):
                     runner = CompiledOriginal(r.job.model, r.cap, ex.resolve(), self._autocast(),
-                                              nest=self._nests(ex))
+                                              nest=self._nests(ex), same_masks=self._masks)
                     self._step(runner).run()
             except Exception as e:
                 return None, \
@@ -459,7 +463,6 @@ class CompileGate:
             finally:
                 r.snapshot.restore()
             return runner, None
-        blocks = self._blocks_form()
         if not r.kept and not blocks and isinstance(r.cap, RegionalCapture):
             # nothing kept, a generation: the original model's forward is compiled, whole; the
             # installed blocks (opaque to a trace) and the untraced forwards are lifted first
@@ -470,7 +473,7 @@ class CompileGate:
                 runner = compiled_runner(r.job.model, r.cap if r.kept or blocks else None,
                                          ex.resolve(), r._on_new_graph,
                                          generation=r.job.generation is not None,
-                                         source=source, set_aside=superseded)
+                                         source=source, set_aside=superseded, same_masks=self._masks)
                 self._step(runner).run()
         except Exception as e:  # the backend raised: the eager graphs run
             return None, f"{ex.name} raised while compiling: {type(e).__name__}: {e}"
@@ -488,8 +491,7 @@ class CompileGate:
         return runner, compile_s, None if ok else "failed verification", detail, err
 
     def _step(self, runner: Callable[..., Any]) -> Step:
-        """The composed step (rewrites kept, fused optimizer kept) with the compiled runner; for
-        the original model compiled, the fused optimizer's step around it (no graph rewrite)."""
+        """The composed step with the compiled runner (the original model's: the fused optimizer's)."""
         r = self.run
         base = r.composed_step()
         twin = r.fused_opt.twin(r.job.optimizer) if r.fused_opt is not None else None
@@ -507,10 +509,15 @@ class CompileGate:
         return Step(run, passes, "compiled")
 
     def _verify(self, runner: Callable[..., Any]) -> tuple[bool, str, float | None]:
-        """Against the original's numerics, as a composed rewrite is. Dropout is off in the
-        reference; a compiled graph with dropout is verified in a compile with it off (once
-        more), one without runs as compiled."""
+        """Against the original's numerics, as a composed rewrite is, dropout off: a compiled graph
+        with dropout in a compile with it off (once more), unless the same masks verify it."""
         r = self.run
+        if self._masks:
+            ok, detail, err = verify_with_masks(r, runner, getattr(runner, "autocast", None)
+                                                if isinstance(runner, CompiledOriginal) else None)
+            if ok:
+                return ok, detail, err
+            log.info("rewriter: compile: not verified with the same masks (%s); with dropout off", detail)
         quiet = dropout_disabled() if r.job.training and has_dropout(r.cap, r.job.model) \
             else contextlib.nullcontext()
         try:
@@ -543,7 +550,8 @@ class CompileGate:
             else [structure_signature(s.original) for s in r.cap.slots]
         # a regional compile compiles every graph (before this form name, the blocks only)
         regional = isinstance(r.cap, RegionalCapture) and r.job.generation is None
-        form = (" (original, blocks nested)" if self._nests(ex) else " (original)") if original else \
+        form = (" (original, blocks nested" if self._nests(ex) else " (original") + \
+            (", same masks)" if self._same_masks(ex) else ")") if original else \
             (" (regional" + (f", without {','.join(aside)}, eager outside" if aside else "") + ")"
              if regional else "")
         form += " (against the eager step under autocast)" if self.baseline is not None else ""

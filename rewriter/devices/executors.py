@@ -222,7 +222,7 @@ class CompiledFx:
 def compiled_runner(model: nn.Module, cap: Capture | None, backend: CompilerBackend,
                     on_new_graph: Callable[[GraphSlot], None], generation: bool = False,
                     source: Callable[[GraphSlot], Any] | None = None,
-                    set_aside: Sequence[str] = ()) -> Callable[..., Any]:
+                    set_aside: Sequence[str] = (), same_masks: bool = False) -> Callable[..., Any]:
     """``model`` as it runs after optimize() (``cap``; None: the original model), compiled.
 
     A Dynamo capture is captured again with the backend after our own: each graph Dynamo hands
@@ -230,10 +230,12 @@ def compiled_runner(model: nn.Module, cap: Capture | None, backend: CompilerBack
     graph is compiled as it is. ``generation``: the original model serves generate(), so its
     forward is compiled in place of the instance's own (:class:`CompiledForward`).
     ``source``/``set_aside``: a regional capture's graphs compiled are ``source(slot)``, built
-    without the kept rewrites ``set_aside`` (:class:`RegionalCompiled`)."""
+    without the kept rewrites ``set_aside`` (:class:`RegionalCompiled`). ``same_masks``: the
+    original model's dropout drawn with eager's random ops (rewriter.decide.same_masks)."""
     if cap is None:
         if generation:
             return CompiledForward(model, backend)
+        backend = with_config(backend, fallback_random=True) if same_masks else backend
         return inspect.unwrap(torch.compile)(model, backend=backend)
     if isinstance(cap, RegionalCapture):
         return RegionalCompiled(cap, backend, source, set_aside)
@@ -358,11 +360,16 @@ class CompiledOriginal:
     """
 
     def __init__(self, model: nn.Module, cap: Capture | None, backend: CompilerBackend,
-                 autocast: tuple[str, torch.dtype] | None = None, nest: bool = False) -> None:
+                 autocast: tuple[str, torch.dtype] | None = None, nest: bool = False,
+                 same_masks: bool = False) -> None:
         self.cap = cap if isinstance(cap, RegionalCapture) else None
         self.nest = bool(nest and self.cap is not None and self.cap.nests)
-        if self.nest:
-            backend = without_buffer_reuse(backend)
+        # Inductor draws dropout with eager's random ops: verified with dropout on (same_masks.py)
+        self.same_masks = same_masks
+        patches = {**({"allow_buffer_reuse": False} if self.nest else {}),
+                   **({"fallback_random": True} if same_masks else {})}
+        if patches:
+            backend = with_config(backend, **patches)
         self.fn = inspect.unwrap(torch.compile)(model, backend=backend)
         # (device type, dtype): the precision the rewrites set (cast_to_half), as autocast
         self.autocast = autocast
@@ -383,8 +390,13 @@ def without_buffer_reuse(inductor: CompilerBackend) -> CompilerBackend:
     ~5000x their size (GPT-2 also in bf16 at 4 layers); right with reuse off, and the steps
     level with the whole model compiled (bf16, 4 layers, interleaved: GPT-2 0.996x, LLaMA
     1.009x; README). The compiled form is verified like any other all the same."""
+    return with_config(inductor, allow_buffer_reuse=False)
+
+
+def with_config(inductor: CompilerBackend, **patches: Any) -> CompilerBackend:
+    """Inductor with ``torch._inductor.config`` patched for its compiles (forward and backward)."""
     def compile_graph(gm: Any, example_inputs: Any) -> Any:
-        return inductor(gm, example_inputs, config_patches={"allow_buffer_reuse": False})
+        return inductor(gm, example_inputs, config_patches=patches)
     compile_graph.__name__ = getattr(inductor, "__name__", "inductor")
     return compile_graph
 
