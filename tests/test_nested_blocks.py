@@ -1,8 +1,8 @@
 """The original model compiled whole traces each repeated block as one nested compile region a
 class (``torch.compiler.nested_compile_region``; rewriter.capture.install's forward, switched on
 by RegionalCapture.lifted(nest=True)): one region compiled for every instance, with Inductor's
-buffer reuse off; none where a training step draws dropout; a nested compile that raises or
-fails verification is compiled again without regions. Under transformers' gradient
+buffer reuse off; none where a training step draws dropout and is verified with it off; a nested
+compile that raises or fails verification is compiled again without regions. Under transformers' gradient
 checkpointing the region is the checkpointed forward, never around the checkpoint (that form
 gave wrong gradients under Inductor, torch 2.13)."""
 from __future__ import annotations
@@ -241,11 +241,24 @@ def test_nested_blocks_that_raise_or_miscompile_are_compiled_again_without_regio
     fast3.restore()
 
 
-def test_a_training_step_that_draws_dropout_is_compiled_without_regions():
-    """A reused region kept its dropout in the verification's dropout-off compile (OPT, torch
-    2.13), so a step that draws dropout is compiled whole without regions, once."""
+def test_a_training_step_that_draws_dropout_nests_only_where_verified_with_the_same_masks(monkeypatch):
+    """Verified with dropout on, drawing eager's masks (CPU Inductor's fallback_random,
+    rewriter.decide.same_masks), a step that draws dropout nests its blocks. Verified in a
+    dropout-off compile (where the same masks are not drawn), a reused region kept its dropout
+    there (OPT, torch 2.13), so that step is compiled whole without regions, once."""
+    from rewriter.decide.compile_gate import CompileGate
+
     rec = RecordingInductor()
-    model, _, fast = _bf16_training(rec, model_class=DropHeaded)
+    _, _, fast = _bf16_training(rec, model_class=DropHeaded)
+    row, = [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
+    assert row.kept and row.sites == ["inductor (original model, blocks nested, autocast bfloat16)"], row
+    assert "the same masks" in row.verification, row.verification
+    assert {"allow_buffer_reuse": False, "fallback_random": True} in rec.patches
+    fast.restore()
+
+    monkeypatch.setattr(CompileGate, "_same_masks", lambda self, ex: False)
+    rec = RecordingInductor()
+    _, _, fast = _bf16_training(rec, model_class=DropHeaded)
     row, = [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
     assert row.kept and row.sites == ["inductor (original model, autocast bfloat16)"], row
     assert "nested" not in row.reason and rec.graphs and not any(_region_calls(gm) for gm in rec.graphs)
