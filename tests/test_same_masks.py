@@ -72,6 +72,30 @@ def test_bf16_blocks_with_dropout_nest_and_are_verified_with_the_same_masks(monk
     try:
         (d,) = _compile_rows(fast)
         assert d.kept and "(original model, blocks nested, autocast bfloat16)" in d.sites[0], d.reason
-        assert "the same masks" in d.verification and "under autocast bfloat16" in d.verification
+        assert "the same masks" in d.verification, d.verification
+    finally:
+        fast.restore()
+
+
+def test_a_miscompiled_step_with_dropout_fails_the_same_masks_check_and_is_not_kept():
+    """A compiler whose graphs compute wrong values (every output shifted: a stand-in miscompile),
+    posing as Inductor so the same masks are drawn and checked: caught with dropout on, then in
+    the compile with dropout off; not kept."""
+    from tests.test_nested_blocks import DropHeaded, RecordingInductor, _bf16_training
+
+    class Miscompiles(RecordingInductor):
+        def __call__(self, gm, example_inputs, config_patches=None):
+            compiled = super().__call__(gm, example_inputs, config_patches)
+            return lambda *args: [t + 1.0 if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                                  for t in compiled(*args)]
+
+    rec = Miscompiles()
+    _, _, fast = _bf16_training(rec, model_class=DropHeaded)
+    try:
+        (d,) = _compile_rows(fast)
+        assert not d.kept and d.status == "failed verification", d.reason
+        assert {"fallback_random": True} in [{k: v for k, v in (p or {}).items() if k == "fallback_random"}
+                                             for p in rec.patches]
+        assert fast.__dict__["_compiled"] is None
     finally:
         fast.restore()
