@@ -11,27 +11,7 @@ import torch.nn as nn
 import rewriter
 from rewriter.decide import compile_gate
 from tests.controlled import QUICK, Bf16Cpu, ControlledClock
-
-
-class DropBlock(nn.Module):
-    def __init__(self, d: int = 16) -> None:
-        super().__init__()
-        self.fc, self.drop = nn.Linear(d, d), nn.Dropout(0.3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(torch.relu(self.fc(x)))
-
-
-class DropStack(nn.Module):
-    def __init__(self, n: int = 3, d: int = 16) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(DropBlock(d) for _ in range(n))
-        self.head = nn.Linear(d, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
+from tests.test_nested_blocks import DropHeaded
 
 
 @pytest.fixture
@@ -62,7 +42,7 @@ def test_bf16_blocks_with_dropout_nest_and_are_verified_with_the_same_masks(monk
     nested (a dropout-off compile kept a reused region's dropout, so they were not before)."""
     monkeypatch.setattr("rewriter.decide.compile_gate.predict_compile_seconds", lambda *a, **k: 1e-3)
     torch.manual_seed(0)
-    model, x = DropStack().train(), torch.randn(8, 16)
+    model, x = DropHeaded().train(), torch.randn(8, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     fast, _ = rewriter.optimize(
         model, (x,), optimizer=opt, loss_fn=lambda out: out.float().pow(2).mean(),
@@ -81,7 +61,7 @@ def test_a_miscompiled_step_with_dropout_fails_the_same_masks_check_and_is_not_k
     """A compiler whose graphs compute wrong values (every output shifted: a stand-in miscompile),
     posing as Inductor so the same masks are drawn and checked: caught with dropout on, then in
     the compile with dropout off; not kept."""
-    from tests.test_nested_blocks import DropHeaded, RecordingInductor, _bf16_training
+    from tests.test_nested_blocks import RecordingInductor, _bf16_training
 
     class Miscompiles(RecordingInductor):
         def __call__(self, gm, example_inputs, config_patches=None):

@@ -14,7 +14,7 @@ right after the fused optimizer::
 
 1. compiled and verified as always (:meth:`CompileGate.attempt`);
 2. timed against the model's own code, eager, under the same autocast, with the kept fused
-   optimizer (:class:`UnderAutocast`): kept when faster by the compile margin and repaid
+   optimizer (``executors.UnderAutocast``): kept when faster by the compile margin and repaid
    within the run, as any compile;
 3. then the step check against the user's original step (rewriter.decide.confirm.step_check):
    measurably slower, twice, and it is not kept.
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import torch
 
@@ -41,23 +40,11 @@ from rewriter.decide.confirm import step_check
 from rewriter.decide.gate import Step, figure
 from rewriter.decide.job import switched
 from rewriter.decide.run_view import RunView
-from rewriter.devices.executors import executors_for
+from rewriter.devices.executors import UnderAutocast, executors_for
 from rewriter.pass_api import Pass
 from rewriter.report import Decision
 
 log = logging.getLogger("rewriter.progress")
-
-
-class UnderAutocast:
-    """The model's own code, eager, under autocast: what the compiled form is timed against
-    when it is decided first."""
-
-    def __init__(self, model: torch.nn.Module, autocast: tuple[str, torch.dtype]) -> None:
-        self.model, self.autocast = model, autocast
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
-            return self.model(*args, **kwargs)
 
 
 def compile_first(run: RunView, passes: list[Pass]) -> bool:

@@ -27,6 +27,7 @@ import torch
 
 from rewriter.decide.run_view import RunView
 from rewriter.decide.verify import AUTOCAST_FACTOR, Yardstick, compare_runs, tolerance_for
+from rewriter.devices.executors import UnderAutocast
 
 
 def verify_with_masks(r: RunView, runner: Any, autocast: tuple[str, torch.dtype] | None
@@ -37,16 +38,12 @@ def verify_with_masks(r: RunView, runner: Any, autocast: tuple[str, torch.dtype]
     eager run under ``autocast`` (its precision; the yardstick), which draws the same masks (a
     dropout mask does not depend on its input's dtype on CPU). (ok, words, max error)."""
     job = r.job
-
-    def under_autocast(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(autocast[0], dtype=autocast[1]):
-            return job.model(*args, **kwargs)
     on = contextlib.nullcontext()  # dropout as the model has it
     try:
         with r._phase("verify"):
             want = job.numerics(job.model, deterministic=on)
             r.snapshot.restore()
-            yardstick = job.numerics(under_autocast, deterministic=on) if autocast else None
+            yardstick = job.numerics(UnderAutocast(job.model, autocast), deterministic=on) if autocast else None
             r.snapshot.restore()
             got = job.numerics(runner, deterministic=on)
     except Exception as e:

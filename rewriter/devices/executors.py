@@ -364,8 +364,8 @@ class CompiledOriginal:
                  same_masks: bool = False) -> None:
         self.cap = cap if isinstance(cap, RegionalCapture) else None
         self.nest = bool(nest and self.cap is not None and self.cap.nests)
-        # Inductor draws dropout with eager's random ops: verified with dropout on (same_masks.py)
-        self.same_masks = same_masks
+        # same_masks: Inductor draws dropout with eager's random ops, so it is verified with
+        # dropout on (rewriter.decide.same_masks)
         patches = {**({"allow_buffer_reuse": False} if self.nest else {}),
                    **({"fallback_random": True} if same_masks else {})}
         if patches:
@@ -381,6 +381,19 @@ class CompiledOriginal:
             if self.autocast is not None:
                 stack.enter_context(torch.autocast(self.autocast[0], dtype=self.autocast[1]))
             return self.fn(*args, **kwargs)
+
+
+class UnderAutocast:
+    """The model's own code, eager, under autocast: what a compiled form of it is timed against
+    when decided first (rewriter.decide.compile_first), and the yardstick run of its
+    dropout-on verification (rewriter.decide.same_masks)."""
+
+    def __init__(self, model: nn.Module, autocast: tuple[str, torch.dtype]) -> None:
+        self.model, self.autocast = model, autocast
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
+            return self.model(*args, **kwargs)
 
 
 def without_buffer_reuse(inductor: CompilerBackend) -> CompilerBackend:
