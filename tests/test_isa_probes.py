@@ -33,6 +33,27 @@ def test_builds_run_side_by_side_off_the_main_thread_and_the_start_does_not_wait
     assert [f.result() for f in futures] == [True, True] and seen == [False, False]
 
 
+class _Program:
+    """Stands in for an ISA object: builds, then loads as Inductor's ``check_build`` does."""
+    loaded: list = []
+
+    def _probe_load(self, output_path: str) -> bool:
+        self.loaded.append(output_path)
+        return True
+
+    def check_build(self, code: str) -> bool:
+        return self._probe_load(f"/cache/{code}.so")
+
+
+def test_the_builds_here_do_not_load_what_they_build_inductors_own_objects_still_do():
+    """Inductor's check loads each program itself: a load here too only took CPU from the compile."""
+    mine, theirs = _Program(), _Program()
+    _Program.loaded = []
+    assert isa_probes._build(mine, "avx512") is True
+    assert _Program.loaded == []
+    assert theirs.check_build("avx512") and _Program.loaded == ["/cache/avx512.so"]
+
+
 def test_an_unexpected_inductor_layout_leaves_the_builds_to_inductor(monkeypatch):
     def broken():
         raise AttributeError("torch._inductor.cpu_vec_isa has no x86_isa_checker")
