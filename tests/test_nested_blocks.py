@@ -256,7 +256,7 @@ def test_a_training_step_that_draws_dropout_nests_only_where_verified_with_the_s
     assert {"allow_buffer_reuse": False, "fallback_random": True} in rec.patches
     fast.restore()
 
-    monkeypatch.setattr(CompileGate, "_same_masks", lambda self, ex: False)
+    monkeypatch.setattr(CompileGate, "_same_masks", lambda self, ex, original=True: False)
     rec = RecordingInductor()
     _, _, fast = _bf16_training(rec, model_class=DropHeaded)
     row, = [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]

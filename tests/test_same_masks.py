@@ -26,7 +26,11 @@ def _compile_rows(fast):
     return [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
 
 
-def test_a_compiled_step_with_dropout_is_verified_with_the_same_masks_and_compiled_once(no_dropout_off_compile):
+def test_a_compiled_step_with_dropout_is_verified_with_the_same_masks_and_compiled_once(no_dropout_off_compile,
+                                                                                      monkeypatch):
+    """...and its knowledge-base key names that form (Inductor's random numbers are another one)."""
+    keys = []
+    monkeypatch.setattr(compile_gate, "entry_key", lambda text, versions: keys.append(text) or text)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 4)).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -35,6 +39,7 @@ def test_a_compiled_step_with_dropout_is_verified_with_the_same_masks_and_compil
                                 progress=False, knowledge_base=False, compile=True, passes=[])
     (d,) = _compile_rows(fast)
     assert d.kept and "the same masks" in d.verification, d.verification
+    assert keys and all("(same masks)" in k.split("|")[1] for k in keys), keys
 
 
 def test_bf16_blocks_with_dropout_nest_and_are_verified_with_the_same_masks(monkeypatch, no_dropout_off_compile):

@@ -254,10 +254,10 @@ class CompileGate:
         return ex.name == "inductor" and r.cap.nests and not self._unnested and not (
             r.job.training and has_dropout(r.cap, r.job.model) and not self._same_masks(ex))
 
-    def _same_masks(self, ex: Executor) -> bool:
-        r = self.run  # drawing eager's dropout masks, verified with dropout on (same_masks.py)
+    def _same_masks(self, ex: Executor, original: bool = True) -> bool:
+        r = self.run  # the model's own code compiled draws eager's dropout masks (same_masks.py)
         return ex.name == "inductor" and r.job.backend.name == "cpu" and r.job.training \
-            and has_dropout(r.cap, r.job.model)
+            and has_dropout(r.cap, r.job.model) and (original or not (r.kept or self._blocks_form()))
 
     def _blocks_form(self) -> bool:
         """Nothing rewritten kept under a regional capture (training, or one call a step): the
@@ -449,8 +449,8 @@ class CompileGate:
 
     def _compiled(self, ex: Executor, original: bool) -> tuple[Callable[..., Any] | None, str | None]:
         r = self.run
-        blocks = self._blocks_form()  # the model's own code compiled: eager's dropout masks
-        self._masks = self._same_masks(ex) and (original or not (r.kept or blocks))
+        blocks = self._blocks_form()
+        self._masks = self._same_masks(ex, original)
         if original:
             try:
                 with r._phase("compile"):
@@ -553,7 +553,7 @@ class CompileGate:
         form = (" (original, blocks nested" if self._nests(ex) else " (original") + \
             (", same masks)" if self._same_masks(ex) else ")") if original else \
             (" (regional" + (f", without {','.join(aside)}, eager outside" if aside else "") + ")"
-             if regional else "")
+             if regional else "") + (" (same masks)" if self._same_masks(ex, original) else "")
         form += " (against the eager step under autocast)" if self.baseline is not None else ""
         text = "|".join([NAME, ex.name + form, r.job.backend.name,
                          r.job.mode, str(r.job.dtype), plans.graph_hash(graphs),
