@@ -14,7 +14,7 @@ right after the fused optimizer::
 
 1. compiled and verified as always (:meth:`CompileGate.attempt`);
 2. timed against the model's own code, eager, under the same autocast, with the kept fused
-   optimizer (``executors.UnderAutocast``): kept when faster by the compile margin and repaid
+   optimizer (``job.UnderAutocast``): kept when faster by the compile margin and repaid
    within the run, as any compile;
 3. then the step check against the user's original step (rewriter.decide.confirm.step_check):
    measurably slower, twice, and it is not kept.
@@ -38,9 +38,9 @@ from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.compile_gate import CompileGate
 from rewriter.decide.confirm import step_check
 from rewriter.decide.gate import Step, figure
-from rewriter.decide.job import switched
+from rewriter.decide.job import UnderAutocast, switched
 from rewriter.decide.run_view import RunView
-from rewriter.devices.executors import UnderAutocast, executors_for
+from rewriter.devices.executors import executors_for
 from rewriter.pass_api import Pass
 from rewriter.report import Decision
 

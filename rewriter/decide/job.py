@@ -124,12 +124,8 @@ class Job:
         has no autocast for that dtype."""
         if self.dtype is None or self.dtype not in self.backend.amp_dtypes:
             return None
-
-        def autocast_model(*args: Any, **kwargs: Any) -> Any:
-            with torch.autocast(self.backend.device_type, dtype=self.dtype):
-                return self.model(*args, **kwargs)
         try:
-            return self.numerics(autocast_model)
+            return self.numerics(UnderAutocast(self.model, (self.backend.device_type, self.dtype)))
         except Exception:  # an op without an autocast kernel: no yardstick, the bound alone
             return None
 
@@ -171,6 +167,20 @@ class Job:
                                for n, p in self.grad_params() if p.grad is not None})
         self.zero_grads()
         return result
+
+
+class UnderAutocast:
+    """The model's own code, eager, under autocast: the numerics the precision passes are judged
+    by (:meth:`Job.autocast_numerics`), what a compiled form of it is timed against when decided
+    first (rewriter.decide.compile_first), and the yardstick run of its dropout-on verification
+    (rewriter.decide.same_masks)."""
+
+    def __init__(self, model: nn.Module, autocast: tuple[str, torch.dtype]) -> None:
+        self.model, self.autocast = model, autocast
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
+            return self.model(*args, **kwargs)
 
 
 def model_device(model: nn.Module) -> str:

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
+from rewriter.decide.job import UnderAutocast
 from rewriter.decide.run_view import RunView
 from rewriter.decide.verify import AUTOCAST_FACTOR, Yardstick, compare_runs, tolerance_for
-from rewriter.devices.executors import UnderAutocast
 
 
 def verify_with_masks(r: RunView, runner: Any, autocast: tuple[str, torch.dtype] | None

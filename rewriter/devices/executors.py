@@ -383,19 +383,6 @@ class CompiledOriginal:
             return self.fn(*args, **kwargs)
 
 
-class UnderAutocast:
-    """The model's own code, eager, under autocast: what a compiled form of it is timed against
-    when decided first (rewriter.decide.compile_first), and the yardstick run of its
-    dropout-on verification (rewriter.decide.same_masks)."""
-
-    def __init__(self, model: nn.Module, autocast: tuple[str, torch.dtype]) -> None:
-        self.model, self.autocast = model, autocast
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
-            return self.model(*args, **kwargs)
-
-
 def without_buffer_reuse(inductor: CompilerBackend) -> CompilerBackend:
     """Inductor, its buffer reuse off (forward and backward). With a nested compile region
     called for several instances, torch 2.13's Inductor reused a buffer one call's backward
