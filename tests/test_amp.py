@@ -61,6 +61,25 @@ def test_casts_fire_and_numerics_hold_at_bf16_tolerance():
         torch.testing.assert_close(fast(x).float(), model(x), rtol=1.6e-2, atol=2e-2)
 
 
+def test_mm_written_as_a_function_or_a_method_runs_in_half_as_autocast_runs_it():
+    class Mm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.v = nn.Parameter(torch.randn(32, 8)), nn.Parameter(torch.randn(8, 4))
+
+        def forward(self, x):
+            return torch.mm(x, self.w).mm(self.v)
+    torch.manual_seed(0)
+    model, x = Mm().eval(), torch.randn(16, 32)
+    fast = _opt(model, x, dtype=torch.bfloat16)
+    assert fast.report.decisions[0].kept and len(fast.report.decisions[0].sites) == 2
+    src = fast.graph_code()["graph_0"]  # x cast; each weight cast once (inference)
+    assert src.count("x.to(torch.bfloat16)") == 1 and src.count("= self.rewriter_weight_cast_bfloat16") == 2, src
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(fast(x).float(), expected, rtol=1.6e-2, atol=2e-2 * expected.abs().max().item())
+
+
 def test_a_tensor_is_cast_once_per_dtype():
     class Shared(nn.Module):
         def __init__(self):

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 _FUNCTION_ALIASES: dict[str, tuple[Any, ...]] = {
     "matmul": (torch.matmul, operator.matmul),
     "bmm": (torch.bmm,),
+    "mm": (torch.mm,),
     "addmm": (torch.addmm,),
     "linear": (F.linear,),
     "add": (operator.add, torch.add),

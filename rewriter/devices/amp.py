@@ -26,8 +26,8 @@ from rewriter.capture.ir import op_name
 log = logging.getLogger(__name__)
 
 # Canonical op names (rewriter.capture.ir.op_name) or callables.
-HALF_OPS: set[Any] = {"linear", "matmul", "bmm", "addmm", "baddbmm", "conv",
-                      "scaled_dot_product_attention"}
+HALF_OPS: set[Any] = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "conv",
+                      "scaled_dot_product_attention"}  # autocast's GEMMs (it lists mm too)
 FLOAT_OPS: set[Any] = {"softmax", "log_softmax", "layer_norm", "rms_norm", "batch_norm",
                        "group_norm", "exp", "log", "log1p", "pow", "rsqrt", "sum", "mean", "var",
                        "cross_entropy", "nll_loss", "mse_loss", "binary_cross_entropy_with_logits",
