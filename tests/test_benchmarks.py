@@ -419,3 +419,26 @@ def test_the_cross_entropy_benchmark_runs(capsys):
                                "--dtype", "bf16"]) == 0
     out = capsys.readouterr().out
     assert "bf16 logits" in out and "F.cross_entropy(logits.float())" in out and "round 1: " in out
+
+
+def test_cold_one_time_rounds_alternate_the_order_and_give_the_median_of_each_rounds_ratio(monkeypatch, tmp_path):
+    """``--repeat``: a cold process's seconds drift; each round runs the pair back to back, in
+    alternating order, and the figure is the median of the rounds' own ratios."""
+    from benchmarks import cold_one_time
+
+    times = iter([30.0, 33.0, 36.0, 30.0, 31.0, 31.0])  # rounds: peer ours | ours peer | peer ours
+    order = []
+
+    def fake_cold(model, config, quick, layers=None):
+        order.append(config)
+        return {"model": model, "config": config, "one_time_s": next(times), "optimize_s": None,
+                "first_step_s": 0.1, "kept": []}
+    monkeypatch.setattr(cold_one_time, "cold", fake_cold)
+    monkeypatch.setattr("benchmarks.measure.machine_info", lambda: {"cpu": "X", "isa": {}})
+    assert cold_one_time.main(["--models", "gpt2", "--configs", "compile", "optimize_steps20k",
+                               "--repeat", "3", "--out", str(tmp_path)]) == 0
+    assert order == ["compile", "optimize_steps20k", "optimize_steps20k", "compile", "compile",
+                     "optimize_steps20k"]
+    text = (tmp_path / "COLD_ONE_TIME.md").read_text()
+    # optimize over compile, round by round: 33/30 = 1.1, 36/30 = 1.2, 31/31 = 1.0
+    assert "| gpt2 | 31.00 (30.00-31.00) | 33.00 (31.00-36.00) | 1.100x (1.000-1.200) |" in text, text
