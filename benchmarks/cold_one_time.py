@@ -81,7 +81,8 @@ def markdown(rows: list[dict], command: str, machine: dict) -> str:
             lines.append(f"| {r['model']} | {r['config']} | failed | | | {r['error'].splitlines()[-1][:200]} |")
             continue
         opt = "-" if r["optimize_s"] is None else r["optimize_s"]
-        lines.append(f"| {r['model']} | {r['config']} | {r['one_time_s']} | {opt} | {r['first_step_s']} | "
+        label = r["model"] + (f", round {r['round']}" if "round" in r else "")
+        lines.append(f"| {label} | {r['config']} | {r['one_time_s']} | {opt} | {r['first_step_s']} | "
                      f"{'; '.join(r['kept'])} |")
     if any(r.get("round", 0) for r in rows):
         lines += [""] + summary(rows)

@@ -441,4 +441,5 @@ def test_cold_one_time_rounds_alternate_the_order_and_give_the_median_of_each_ro
                      "optimize_steps20k"]
     text = (tmp_path / "COLD_ONE_TIME.md").read_text()
     # optimize over compile, round by round: 33/30 = 1.1, 36/30 = 1.2, 31/31 = 1.0
-    assert "| gpt2 | 31.00 (30.00-31.00) | 33.00 (31.00-36.00) | 1.100x (1.000-1.200) |" in text, text
+    assert "| gpt2 | 30.00 (30.00-31.00) | 33.00 (31.00-36.00) | 1.100x (1.000-1.200) |" in text, text
+    assert "| gpt2, round 2 | optimize_steps20k | 36.0 |" in text
