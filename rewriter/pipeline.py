@@ -3,18 +3,17 @@ confirm once on the step ▶ plan and report. One object owns the job from start
 
     outcome = Run(job, passes, settings).execute()
 
-Each pass is tried against what was kept before it (greedy, in order; a precision pass first,
-then applied on top of every later variant). A pass of scope "site" is decided per region
-signature: the sites are cut out of the graph (rewriter.capture.region), fed the values recorded in
-one run of the model (rewriter.capture.record), verified and timed on their own (rewriter.decide.site_gate),
-and identical sites are measured once, or not at all when the knowledge base already knows
-the signature. A pass of scope "step" and the fused optimizer are measured on the whole step
-(the optimizer on its own step). At the end the composed model is verified once and timed
-once against the original (rewriter.decide.confirm). A decision on the whole step also measures both
-variants' peak memory once (rewriter.decide.memory); with ``objective="memory"`` it keeps a rewrite
-that lowers the peak within ``memory_slowdown`` (region decisions stay on time). Everything happens inside
-:func:`rewriter.decide.state.preserved_state`, so the user's model, optimizer and RNG come out as
-they went in, also when a pass raises or the user interrupts.
+Each pass is tried against what was kept before it (greedy; the precision pass as an overlay on
+every variant: :meth:`Run._decide`). A pass of scope "site" is decided per region signature: the
+sites are cut out (rewriter.capture.region), fed values recorded in one run of the model
+(rewriter.capture.record), verified and timed on their own (rewriter.decide.site_gate); identical
+sites are measured once, or not at all when the knowledge base knows the signature. A pass of
+scope "step" and the fused optimizer (on its own step) are measured on the whole step, with peak
+memory once (rewriter.decide.memory; ``objective="memory"`` keeps what lowers it within
+``memory_slowdown``). At the end the composed model is verified and timed once against the
+original (rewriter.decide.confirm). All inside :func:`rewriter.decide.state.preserved_state`: the
+user's model, optimizer and RNG come out as they went in, also when a pass raises or the user
+interrupts.
 
 The flow is :meth:`Run._execute`; the stages it calls live by idea in mixins of ``Run``:
 capturing (rewriter.capture.choose), a pass decided per region signature (rewriter.decide.regions),
@@ -38,7 +37,7 @@ from rewriter.capture.choose import CaptureStage
 from rewriter.capture.front_ends import Capture, DynamoCapture, GraphSlot
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide import memory
-from rewriter.decide.amortize import MIN_BUDGET, deciding_budget
+from rewriter.decide.amortize import MIN_BUDGET, PRECISION_FIRST_STEPS, deciding_budget
 from rewriter.decide.compile_first import compile_first
 from rewriter.decide.compile_gate import CompileGate
 from rewriter.decide.confirm import Confirmation, KeptUnit, fewest_pairs
@@ -331,20 +330,21 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         """Every pass in order; with ``dtype=``, in the precision it will run in.
 
         The precision pass (cast_to_half) changes what every other rewrite is measured in, and
-        its own worth depends on them (a half-precision GEMM on a transposed operand can be far
-        slower than the fused kernel that replaces it), so the others are decided with it
-        applied on top, speculatively; then it is decided itself on the whole step, with the
-        kept rewrites in. When it is rejected, the others are decided again at full precision.
-
-        The fused optimizer is decided before (``_execute``): measured on its own step (no graph
-        rewrite changes it), it saves the most per second of deciding (LLaMA with 32 000 words:
-        ~48 ms a step for 1.0 s of deciding; the loss ~75 ms for ~2.5 s, the kept output ~25 ms
-        for ~4 s; ordered among the regions by its step's time, it was not reached at steps=100);
-        then, where it would supersede them, the compile (rewriter.decide.compile_first).
+        its worth depends on them (a half GEMM on a transposed operand can be far slower than the
+        fused kernel replacing it): the others are decided with it on top, speculatively, then it
+        on the whole step with them in; rejected, the others are decided again at full precision.
+        Under a tight budget (``PRECISION_FIRST_STEPS``) it comes first: the largest saving (1.5-
+        1.9x of a bf16 step), the dearest pairs; the others had spent the budget (LLaMA bf16
+        steps=100, Xeon with AMX: not reached, 1.08x kept). The fused optimizer is decided before
+        (``_execute``): on its own step, it saves the most per second of deciding (LLaMA 32k
+        words: ~48 ms a step for 1.0 s); then, where it would supersede them, compile_first.
         """
         precision = [p for p in self.passes if p.sets_precision]
         others = [p for p in self.passes if not p.sets_precision]
         speculate = [p for p in precision if p.applies_to(self.ctx) is None][:1]
+        if speculate and self._remaining() < PRECISION_FIRST_STEPS * self.step_seconds:
+            self._decide_each(precision)  # kept, the regions run in it (_region_overlay)
+            precision, speculate = [], []
         if speculate:
             self._set_overlay([KeptPass(speculate[0])])
         self._decide_each(others)

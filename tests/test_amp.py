@@ -335,3 +335,30 @@ def test_in_a_region_graph_an_fp32_op_casts_its_inputs_which_may_arrive_half():
         ctx = PassContext(Bf16Cpu(), True, dtype=torch.bfloat16, region=region)
         sites = p.find(copy_graph_module(gm), ctx)
         assert sum(len(s.match[1]) for s in sites) == casts, (region, sites)
+
+
+@pytest.mark.parametrize("tight", [True, False])
+def test_under_a_tight_budget_the_precision_pass_is_decided_first_and_the_others_in_it(monkeypatch, tight):
+    """With fewer than PRECISION_FIRST_STEPS steps' time left, the precision pass (the largest
+    saving, the dearest pairs) is decided before the graph passes, which then run in it; with
+    time to spare, the others first, in it speculatively, then the precision on the whole step."""
+    from rewriter import pipeline
+
+    order = []
+    decide_each = pipeline.Run._decide_each
+
+    def spy(self, passes):
+        order.append([p.name for p in passes])
+        return decide_each(self, passes)
+    monkeypatch.setattr(pipeline.Run, "_decide_each", spy)
+    monkeypatch.setattr(pipeline, "PRECISION_FIRST_STEPS", 10**9 if tight else 0)
+    model, x = _data()
+    fast = rewriter.optimize(model.eval(), (x,), passes=["cast_to_half", "fuse_attention"], gate=QUICK,
+                             clock=ControlledClock(HALF_FASTER), device=Bf16Cpu(), dtype=torch.bfloat16,
+                             progress=False, profile=False, knowledge_base=False, time_budget=600)
+    assert "cast_to_half" in fast.report.kept_passes
+    others = [names for names in order if "fuse_attention" in names]
+    assert order.index(["cast_to_half"]) < order.index(others[0]) if tight else \
+        order.index(others[0]) < order.index(["cast_to_half"])
+    attention = next(d for d in fast.report.decisions if d.pass_name == "fuse_attention")
+    assert attention.status not in ("not reached", "not tried"), attention.reason

@@ -38,6 +38,11 @@ MAX_SAVING = 0.5  # before measuring: the most of a step a compiler is assumed t
 # fit), so the run took longer than eager's; a tenth (the floor, 8 s) keeps the same, for less.
 BUDGET_FRACTION = REPAY_FRACTION
 MIN_BUDGET = 8.0  # seconds: capture and the first measurements of a small transformer
+# Deciding the other passes in the precision to come, then the precision on the whole step
+# (rewriter.pipeline.Run._decide), takes ~40 of the model's steps (the precision's verification
+# and ~9 rounds of a full-precision and a half step; the regions' pairs); with fewer than this
+# many steps' time left in the budget, the precision pass, the largest saving, is decided first.
+PRECISION_FIRST_STEPS = 50
 # A warm persistent Inductor cache (rewriter.devices.compile_cache): `python -m
 # benchmarks.compile_cache` gave 5.1 s against 24.1 s cold (llama, training, 2-core AMD EPYC,
 # torch 2.13), 0.21; the regional compile, once its graphs were cacheable (rewriter.devices.
