@@ -17,6 +17,7 @@ optimizer, and returns a :class:`Variant` whose ``step()`` runs one step and ret
 ``optimize_steps100``     ``optimize(steps=100)``: defaults (``compile="auto"``), a 100-step run
 ``optimize_steps20k``     ``optimize(steps=20000)``: the same for a 20 000-step run
 ``optimize_bf16_steps20k``  the same with ``dtype=torch.bfloat16``
+``optimize_bf16_steps100``   ``optimize(dtype=torch.bfloat16, steps=100)``: a short bf16 run
 ``expert``                the hand-tuned form (``ModelCase.make_expert``), ``AdamW(fused=True)``
 ``expert_autocast``       the same, forward and loss under ``torch.autocast(bfloat16)``
 ``compile_expert_autocast``  the same, its model compiled: torch.compile + SDPA + fused AdamW + autocast
@@ -249,6 +250,8 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     Config("optimize_steps20k", "optimize(steps=20000)", lambda s: _optimize_for_steps(s, 20_000)),
     Config("optimize_bf16_steps20k", "optimize(dtype=bf16, steps=20000)",
            lambda s: _optimize_for_steps(s, 20_000, torch.bfloat16)),
+    Config("optimize_bf16_steps100", "optimize(dtype=bf16, steps=100)",
+           lambda s: _optimize_for_steps(s, 100, torch.bfloat16)),
     Config("expert", "expert", _expert),
     Config("expert_autocast", "expert + autocast bf16", lambda s: _expert(s, autocast=True)),
     Config("compile_expert_autocast", "torch.compile + expert + autocast bf16",
