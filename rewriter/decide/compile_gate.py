@@ -449,7 +449,6 @@ class CompileGate:
 
     def _compiled(self, ex: Executor, original: bool) -> tuple[Callable[..., Any] | None, str | None]:
         r = self.run
-        blocks = self._blocks_form()
         self._masks = self._same_masks(ex, original)
         if original:
             try:
@@ -463,6 +462,7 @@ class CompileGate:
             finally:
                 r.snapshot.restore()
             return runner, None
+        blocks = self._blocks_form()
         if not r.kept and not blocks and isinstance(r.cap, RegionalCapture):
             # nothing kept, a generation: the original model's forward is compiled, whole; the
             # installed blocks (opaque to a trace) and the untraced forwards are lifted first
@@ -544,16 +544,16 @@ class CompileGate:
 
     def _key(self, ex: Executor, original: bool = False) -> str:
         r = self.run
-        aside = [] if original else self._set_aside(ex)
+        aside, masks = ([] if original else self._set_aside(ex)), self._same_masks(ex, original)
         rewritten = r.kept and not original
         graphs = [structure_signature(s.kept_run) for s in r.cap.slots] if rewritten \
             else [structure_signature(s.original) for s in r.cap.slots]
         # a regional compile compiles every graph (before this form name, the blocks only)
         regional = isinstance(r.cap, RegionalCapture) and r.job.generation is None
         form = (" (original, blocks nested" if self._nests(ex) else " (original") + \
-            (", same masks)" if self._same_masks(ex) else ")") if original else \
+            (", same masks)" if masks else ")") if original else \
             (" (regional" + (f", without {','.join(aside)}, eager outside" if aside else "") + ")"
-             if regional else "") + (" (same masks)" if self._same_masks(ex, original) else "")
+             if regional else "") + (" (same masks)" if masks else "")
         form += " (against the eager step under autocast)" if self.baseline is not None else ""
         text = "|".join([NAME, ex.name + form, r.job.backend.name,
                          r.job.mode, str(r.job.dtype), plans.graph_hash(graphs),
