@@ -1,5 +1,8 @@
 """Inductor's vector-ISA test programs are built side by side, off the main thread, at a
-compile's start, on objects of our own, and ended before anything is timed."""
+compile's start, on objects of our own, loaded in one child Python whose answers Inductor's
+check reads while the compile runs, and ended before anything is timed."""
+import concurrent.futures
+import ctypes.util
 import threading
 
 import pytest
@@ -13,29 +16,38 @@ class _Build:
     """A stand-in test program whose build waits until every other one has started: it passes
     only if the builds run at the same time."""
 
-    def __init__(self, barrier: threading.Barrier, seen: list) -> None:
-        self.barrier, self.seen = barrier, seen
+    def __init__(self, barrier: threading.Barrier, seen: list, name: str) -> None:
+        self.barrier, self.seen, self.name = barrier, seen, name
+
+    def build_arch_flags(self) -> str:
+        return self.name
 
     def check_build(self, code: str) -> bool:
         self.seen.append(threading.current_thread() is threading.main_thread())
         self.barrier.wait(timeout=10)  # raises BrokenBarrierError if they ran one after another
-        return True
+        return self._probe_load(f"/nowhere/{self.name}.so")
 
 
 def test_builds_run_side_by_side_off_the_main_thread_and_the_start_does_not_wait(monkeypatch):
     barrier, seen = threading.Barrier(3), []
     monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["a", "b"])
-    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Build(barrier, seen), "code")])
+    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Build(barrier, seen, isa), "code")])
     futures = isa_probes.start_vec_isa_probes()
-    assert len(futures) == 2 and not any(f.done() for f in futures)  # nobody waited for them
+    assert len(futures) == 3 and not any(f.done() for f in futures)  # nobody waited for them
     barrier.wait(timeout=10)  # the third party: this test, while both builds are running
     isa_probes.wait(futures)
-    assert [f.result() for f in futures] == [True, True] and seen == [False, False]
+    assert sorted(f.result() for f in futures[:2]) == ["/nowhere/a.so", "/nowhere/b.so"]
+    assert seen == [False, False]
+    # then one child loaded both (neither exists)
+    assert futures[2].result() == {"/nowhere/a.so": False, "/nowhere/b.so": False}
 
 
 class _Program:
     """Stands in for an ISA object: builds, then loads as Inductor's ``check_build`` does."""
     loaded: list = []
+
+    def build_arch_flags(self) -> str:
+        return ""
 
     def _probe_load(self, output_path: str) -> bool:
         self.loaded.append(output_path)
@@ -45,13 +57,48 @@ class _Program:
         return self._probe_load(f"/cache/{code}.so")
 
 
-def test_the_builds_here_do_not_load_what_they_build_inductors_own_objects_still_do():
-    """Inductor's check loads each program itself: a load here too only took CPU from the compile."""
+def test_a_build_here_does_not_load_what_it_builds_inductors_own_objects_still_check():
+    """The loads are one child's, after the builds: a build returns its program's path."""
     mine, theirs = _Program(), _Program()
     _Program.loaded = []
-    assert isa_probes._build(mine, "avx512") is True
+    assert isa_probes._build(mine, "avx512") == "/cache/avx512.so"
     assert _Program.loaded == []
     assert theirs.check_build("avx512") and _Program.loaded == ["/cache/avx512.so"]
+
+
+def test_one_child_answers_for_each_program_on_its_own():
+    libc = ctypes.util.find_library("c")
+    if libc is None:
+        pytest.skip("no C library to load")
+    assert isa_probes.load_in_one_child([libc, "/nowhere/a.so", libc]) == {libc: True, "/nowhere/a.so": False}
+    assert isa_probes.load_in_one_child([]) == {}
+
+
+def test_while_a_compile_runs_inductors_load_check_reads_the_childs_answer(monkeypatch):
+    """A program the child loaded: its answer, no load of Inductor's (False here, where a real
+    load would say True: the answer is the child's); any other program: Inductor's own check.
+    After the compile, Inductor's check is its own again."""
+    from torch._inductor import cpu_vec_isa as v
+    own_loads = []
+
+    def inductors_load(self, path):
+        own_loads.append(path)
+        return True
+    monkeypatch.setattr(v.VecISA, "_probe_load", inductors_load)
+    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["a", "b"])
+    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Program(), isa)])
+    monkeypatch.setattr(isa_probes, "load_in_one_child",
+                        lambda paths, env=None: {p: False for p in paths})
+    futures = isa_probes.start_vec_isa_probes()
+    try:
+        concurrent.futures.wait(futures[:-1], timeout=10)  # as Dynamo's tracing comes first
+        isa = v.VecAVX2()
+        assert isa._probe_load("/cache/a.so") is False and isa._probe_load("/cache/b.so") is False
+        assert own_loads == []
+        assert isa._probe_load("/cache/other.so") is True and own_loads == ["/cache/other.so"]
+    finally:
+        isa_probes.wait(futures)
+    assert v.VecISA._probe_load is inductors_load
 
 
 def test_an_unexpected_inductor_layout_leaves_the_builds_to_inductor(monkeypatch):
@@ -110,3 +157,64 @@ def test_an_inductor_compile_on_cpu_starts_them_and_waits_for_them(monkeypatch):
                              knowledge_base=False)
     assert "compile" in fast.report.kept_passes
     assert events[:2] == ["start", ("wait", ["f"])]
+
+
+def test_a_program_inductor_checks_before_its_build_here_ended_is_inductors_to_load(monkeypatch):
+    """Inductor checks a program holding its file lock, which our build of it waits for; the
+    child starts once every build here has ended: waiting for the child there would wait for
+    ever (until the timeout). Inductor loads that program itself, at once."""
+    from torch._inductor import cpu_vec_isa as v
+    file_lock, own_loads = threading.Lock(), []
+    monkeypatch.setattr(v.VecISA, "_probe_load", lambda self, path: own_loads.append(path) or True)
+
+    class _Locked(_Program):
+        def check_build(self, code: str) -> bool:
+            with file_lock:  # as Inductor's FileLock of this program
+                return self._probe_load(f"/cache/{code}.so")
+    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["a", "b"])
+    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Locked(), isa)])
+    with file_lock:  # Inductor's check of program "a", under its lock
+        futures = isa_probes.start_vec_isa_probes()
+        assert v.VecAVX2()._probe_load("/cache/a.so") is True
+        assert own_loads == ["/cache/a.so"] and not futures[-1].done()
+    isa_probes.wait(futures)
+    assert futures[-1].done()
+
+
+def _clear_inductors_answers():
+    """Inductor works the real answers out again when next asked."""
+    from torch._inductor import cpu_vec_isa as v
+    for cls in (v.VecISA, v.VecAVX2, v.VecAVX512, v.VecAVX512VNNI, v.VecAMX):
+        for attr in vars(cls).values():
+            if callable(getattr(attr, "cache_clear", None)):
+                attr.cache_clear()
+
+
+def test_inductors_check_decides_the_same_with_the_childs_answers_as_with_its_own_loads(monkeypatch):
+    """The real check, twice on fresh ISA objects: once our builds have ended, with one child's
+    loads in front of it (none of its own loads runs), then on its own (it loads every program)."""
+    import platform
+
+    from torch._inductor import cpu_vec_isa as v
+    if platform.machine() != "x86_64" or len([b for isa in isa_probes.candidate_isas()
+                                              for b in isa_probes.program_builds(isa)]) < 2:
+        pytest.skip("x86 with two or more test programs only")
+    own_loads = []
+    inductors = v.VecISA._probe_load
+    monkeypatch.setattr(v.VecISA, "_probe_load", lambda self, path: own_loads.append(path) or inductors(self, path))
+
+    def decide():
+        _clear_inductors_answers()
+        try:
+            return [(bool(isa), isa.build_arch_flags()) for isa in (type(c)() for c in isa_probes.candidate_isas())]
+        finally:
+            _clear_inductors_answers()
+    futures = isa_probes.start_vec_isa_probes()
+    try:
+        concurrent.futures.wait(futures[:-1], timeout=120)  # as Dynamo's tracing comes first
+        answered = decide()
+    finally:
+        isa_probes.wait(futures)
+    assert own_loads == [] and futures[-1].result(), "Inductor loaded a program itself"
+    assert decide() == answered and own_loads, "Inductor decided otherwise on its own loads"
+    assert any(ok for ok, _ in answered)

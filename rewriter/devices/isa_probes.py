@@ -1,4 +1,5 @@
-"""Inductor's CPU vector-ISA test programs, built side by side at the start of a compile.
+"""Inductor's CPU vector-ISA test programs, built side by side at the start of a compile, and
+loaded in one child Python.
 
 Before its first CPU kernel, Inductor picks the vector instruction set by building and loading a
 test program for each candidate the CPU's flags name (``torch._inductor.cpu_vec_isa.
@@ -8,23 +9,32 @@ with VNNI, AVX-512, AVX2) and their extra checks (AVX-512 BF16, VNNI) at ~1.5 s 
 cache folder: only a cold folder pays). Started in threads when a compile begins, the builds run
 beside each other and beside Dynamo's and AOTAutograd's tracing, which comes first; Inductor's
 own check then finds each program built (a build still running holds the program's file lock, so
-Inductor waits for it and does not build it again) and only loads it (the load is Inductor's
-alone: the builds here do not load what they build).
+Inductor waits for it and does not build it again). Cold cache, 2-core Xeon without AMX,
+``optimize(compile=True)`` at 16 LLaMA layers: its first compiled step 19.6 / 16.6 / 19.1 /
+18.4 s without, 16.3 / 16.1 / 15.4 / 15.9 s with (one process each, alternating; the README has
+the command).
 
-Only the builds run here, on instances of our own: Inductor's check, its cached answers and the
-flags it sets on its ISA objects (the AVX-512 BF16 check changes ``_arch_flags`` while it runs)
-are its own, so nothing here can race it or change what it decides. The threads see the
-caller's Inductor settings (``contextvars``: torch 2.13 keeps them per context). A compile waits
-for them before it returns (:func:`wait`), so no build runs during the timed steps that follow.
-Cold cache, 2-core Xeon without AMX, ``optimize(compile=True)`` at 16 LLaMA layers: its first
-compiled step 19.6 / 16.6 / 19.1 / 18.4 s without, 16.3 / 16.1 / 15.4 / 15.9 s with (one process
-each, alternating; the README has the command)::
+Inductor's check then loads each program in a Python of its own, one after another on the
+compile's main thread (a ``dlopen`` of the program, and of libtorch for the base ones): ten
+programs, 1.5 s of a cold BERT compile on the 2-core Xeon with AMX, and of every process's first
+compile, warm cache or not (the answers last one process). Here, once the builds have ended,
+one child Python loads them all, in the environment Inductor gives its own, each load on its
+own (a failed ``dlopen`` is a False for that program alone); while a compile runs, Inductor's
+load check of a program loaded there reads that answer, and any other program (or one a child
+that died did not answer) is loaded Inductor's own way.
+
+The builds run on ISA objects of our own: the flags Inductor's check sets on its objects (the
+AVX-512 BF16 check changes ``_arch_flags`` while it runs) and its cached answers are its own; the
+threads see the caller's Inductor settings (``contextvars``: torch 2.13 keeps them per context).
+A compile waits for the builds and the load before it returns (:func:`wait`), so none runs
+during the timed steps that follow, and Inductor's load check is its own again::
 
     builds = start_vec_isa_probes()   # at the compile's start; returns at once
     ...                               # the compile
     wait(builds)                      # before anything is timed
 
-Inductor's internals are private: anything unexpected leaves the builds to Inductor (no-op).
+Inductor's internals are private: anything unexpected leaves the builds and loads to Inductor
+(no-op).
 """
 from __future__ import annotations
 
@@ -33,7 +43,9 @@ import contextvars
 import logging
 import os
 import platform
+import subprocess
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -42,6 +54,28 @@ log = logging.getLogger(__name__)
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 WAIT_SECONDS = 120.0  # a build that takes longer is left to finish on its own
+LOAD_SECONDS = 60.0   # Inductor's own limit for one program's load
+
+# While a compile runs: the load answers of the programs built for it (path -> loaded), the
+# future that fills them in, and Inductor's own load check, which ours stands in front of.
+_ANSWERS: dict[str, bool] = {}
+_BUILT: set[str] = set()
+_LOADING: concurrent.futures.Future | None = None
+_INDUCTORS_LOAD: Any = None
+_LOCK = threading.Lock()
+
+# What Inductor's child runs for one program (``VecISA._avx_py_load`` on Linux), once per path;
+# one line per path, in order: a child that dies leaves the rest unanswered.
+_LOAD_ALL = """
+import sys
+from ctypes import cdll
+for path in sys.argv[1:]:
+    try:
+        cdll.LoadLibrary(path)
+        print(1, flush=True)
+    except OSError:
+        print(0, flush=True)
+"""
 
 
 def candidate_isas() -> list[Any]:
@@ -85,11 +119,16 @@ def program_builds(isa: Any) -> list[tuple[Any, str]]:
 
 def start_vec_isa_probes() -> list[concurrent.futures.Future]:
     """Start building every test program Inductor's ISA check will want, each in a thread of
-    its own (up to the CPU count); returns their futures without waiting. A program already
-    built (this process, or a warm cache folder) is found at once."""
-    global _POOL
+    its own (up to the CPU count), then loading them all in one child Python; returns the
+    futures (the builds', then the load's) without waiting. A program already built (this
+    process, or a warm cache folder) is found at once. Until :func:`wait`, Inductor's load
+    check of a program loaded here reads the answer."""
+    global _POOL, _LOADING
     try:
-        builds = [b for isa in candidate_isas() for b in program_builds(isa)]
+        # one build per program (path): see _answered_load
+        builds = list({(mine.build_arch_flags(), code): (mine, code)
+                       for isa in candidate_isas() for mine, code in program_builds(isa)}.values())
+        env = _probe_env()
     except Exception as e:  # torch's layout changed: Inductor builds them as it always did
         log.debug("rewriter: vector-ISA test builds not started: %s", e)
         return []
@@ -98,28 +137,115 @@ def start_vec_isa_probes() -> list[concurrent.futures.Future]:
     if _POOL is None:
         _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
                                                       thread_name_prefix="rewriter-isa-probe")
-    return [_POOL.submit(contextvars.copy_context().run, _build, mine, code) for mine, code in builds]
+    futures = [_POOL.submit(contextvars.copy_context().run, _build, mine, code) for mine, code in builds]
+    # a thread of its own: a pool worker waiting for the builds would take a worker from them
+    loading: concurrent.futures.Future = concurrent.futures.Future()
+    with _LOCK:
+        _ANSWERS.clear()
+        _BUILT.clear()
+        _LOADING = loading
+    threading.Thread(target=_load_when_built, args=(futures, env, loading), daemon=True,
+                     name="rewriter-isa-load").start()
+    _stand_in_front_of_inductors_load()
+    return futures + [loading]
 
 
-def _build(mine: Any, code: str) -> bool:
+def _build(mine: Any, code: str) -> str | None:
     """Inductor's own build of one test program (``VecISA.check_build``, not cached), without
-    its load: Inductor's check loads every program itself (a Python started to ``dlopen`` it,
-    ~0.17 s of CPU each), so a second load here only took CPU from the compile beside it (cold
-    BERT, 2-core Xeon with AMX, ten programs: the compile 22.6 -> 22.1 s, two alternating pairs of
-    processes). On our own object only: Inductor's objects still load what they build."""
-    mine._probe_load = _built
-    return bool(mine.check_build(code))
+    its load (one child loads them all: :func:`load_in_one_child`), on our own object only.
+    Returns the program's path, or None when it did not build."""
+    built: list[str] = []
+    mine._probe_load = lambda path: built.append(path) or True
+    if not (mine.check_build(code) and built):
+        return None
+    with _LOCK:
+        _BUILT.add(built[0])
+    return built[0]
 
 
-def _built(output_path: str) -> bool:
-    """What the load check answers for a program built here: Inductor's own check loads it."""
-    return True
+def load_in_one_child(paths: list[str], env: dict[str, str] | None = None,
+                      timeout: float = LOAD_SECONDS) -> dict[str, bool]:
+    """Whether each program loads (``dlopen``) in a fresh Python, one Python for them all; the
+    answers given before the child ended (one that dies or hangs leaves the rest out)::
+
+        load_in_one_child(["/cache/ab/cabc.so", "/nowhere.so"])  # {".../cabc.so": True, "/nowhere.so": False}
+    """
+    if not paths:
+        return {}
+    try:
+        done = subprocess.run([sys.executable, "-c", _LOAD_ALL, *paths], env=env, timeout=timeout,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        out = done.stdout
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout or b""
+    except OSError:
+        return {}
+    return {path: line == b"1" for path, line in zip(paths, out.split())}
+
+
+def _probe_env() -> dict[str, str]:
+    """The environment Inductor's load check gives its child (libtorch on the loader's path)."""
+    from torch._inductor import cpu_vec_isa
+    return cpu_vec_isa.VecISA._build_probe_env()
+
+
+def _load_when_built(builds: list[concurrent.futures.Future], env: dict[str, str],
+                     loading: concurrent.futures.Future) -> None:
+    try:
+        concurrent.futures.wait(builds, timeout=WAIT_SECONDS)
+        paths = {f.result() for f in builds if f.done() and f.exception() is None} - {None}
+        answers = load_in_one_child(sorted(paths), env)
+        with _LOCK:
+            if _LOADING is loading:  # not a later compile's
+                _ANSWERS.update(answers)
+        loading.set_result(answers)
+    except Exception as e:  # noqa: BLE001 (Inductor loads them its own way then)
+        loading.set_exception(e)
+
+
+def _stand_in_front_of_inductors_load() -> None:
+    global _INDUCTORS_LOAD
+    from torch._inductor import cpu_vec_isa
+    with _LOCK:
+        if _INDUCTORS_LOAD is None:
+            _INDUCTORS_LOAD = cpu_vec_isa.VecISA._probe_load
+            cpu_vec_isa.VecISA._probe_load = _answered_load
+
+
+def _answered_load(isa: Any, output_path: str) -> bool:
+    """Inductor's load check of one program while a compile runs: the child's answer where it
+    loaded that program (waiting for it while it loads), else Inductor's own check.
+
+    Inductor checks a program holding its file lock; the child starts once every build here has
+    ended, and a build of this program would wait for that lock. So the child is waited for
+    only for a program built here already (one build per program: no other build of ours waits
+    for this lock); any other is Inductor's to load, at once."""
+    with _LOCK:
+        loading, own, ours = _LOADING, _INDUCTORS_LOAD, output_path in _BUILT
+    if loading is not None and ours:
+        try:
+            loading.result(timeout=WAIT_SECONDS + LOAD_SECONDS)
+        except Exception:  # noqa: BLE001 (no answer: Inductor's own check)
+            pass
+    with _LOCK:
+        answer = _ANSWERS.get(output_path)
+    return answer if answer is not None else own(isa, output_path)
 
 
 def wait(futures: list[concurrent.futures.Future], timeout: float = WAIT_SECONDS) -> None:
-    """Until the builds have ended (their outcome is Inductor's to read, not ours)."""
+    """Until the builds and the load have ended (their outcome is Inductor's to read, not ours);
+    Inductor's load check is its own again after."""
+    global _LOADING, _INDUCTORS_LOAD
     if futures:
         concurrent.futures.wait(futures, timeout=timeout)
+    with _LOCK:
+        _LOADING = None
+        _ANSWERS.clear()
+        _BUILT.clear()
+        if _INDUCTORS_LOAD is not None:
+            from torch._inductor import cpu_vec_isa
+            cpu_vec_isa.VecISA._probe_load = _INDUCTORS_LOAD
+            _INDUCTORS_LOAD = None
 
 
 def _forget_pool() -> None:
