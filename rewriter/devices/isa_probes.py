@@ -128,7 +128,6 @@ def start_vec_isa_probes() -> list[concurrent.futures.Future]:
         # one build per program (path): see _answered_load
         builds = list({(mine.build_arch_flags(), code): (mine, code)
                        for isa in candidate_isas() for mine, code in program_builds(isa)}.values())
-        env = _probe_env()
     except Exception as e:  # torch's layout changed: Inductor builds them as it always did
         log.debug("rewriter: vector-ISA test builds not started: %s", e)
         return []
@@ -138,6 +137,11 @@ def start_vec_isa_probes() -> list[concurrent.futures.Future]:
         _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
                                                       thread_name_prefix="rewriter-isa-probe")
     futures = [_POOL.submit(contextvars.copy_context().run, _build, mine, code) for mine, code in builds]
+    try:
+        env = _probe_env()
+    except Exception as e:  # torch's layout changed: Inductor loads them as it always did
+        log.debug("rewriter: vector-ISA test programs left to Inductor to load: %s", e)
+        return futures
     # a thread of its own: a pool worker waiting for the builds would take a worker from them
     loading: concurrent.futures.Future = concurrent.futures.Future()
     with _LOCK:
@@ -229,7 +233,12 @@ def _answered_load(isa: Any, output_path: str) -> bool:
             pass
     with _LOCK:
         answer = _ANSWERS.get(output_path)
-    return answer if answer is not None else own(isa, output_path)
+    if answer is not None:
+        return answer
+    if own is None:  # the compile has ended (wait): Inductor's own check is back in place
+        from torch._inductor import cpu_vec_isa
+        own = cpu_vec_isa.VecISA._probe_load
+    return own(isa, output_path)
 
 
 def wait(futures: list[concurrent.futures.Future], timeout: float = WAIT_SECONDS) -> None:
@@ -249,8 +258,9 @@ def wait(futures: list[concurrent.futures.Future], timeout: float = WAIT_SECONDS
 
 
 def _forget_pool() -> None:
-    global _POOL
-    _POOL = None  # a forked child has none of the parent's threads: a pool of its own
+    global _POOL, _LOCK, _LOADING
+    # a forked child has none of the parent's threads: a pool, a lock and no load of its own
+    _POOL, _LOCK, _LOADING = None, threading.Lock(), None
 
 
 if hasattr(os, "register_at_fork"):
