@@ -36,7 +36,7 @@ from rewriter.capture.front_ends import DynamoCapture, FxCapture
 from rewriter.capture.ir import structure_signature
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.amortize import DEFAULT_STEPS, MAX_SAVING, Payback, predict_compile_seconds
-from rewriter.decide.compile_offers import regional_not_offered, whole_not_offered
+from rewriter.decide.compile_offers import NAME, regional_not_offered, whole_not_offered
 from rewriter.decide.compile_size import compile_nodes, repeated_nodes
 from rewriter.decide.gate import Step, clearly_one_way, decide, known_verdict, measure, saved_ms
 from rewriter.decide.job import switched
@@ -59,8 +59,6 @@ from rewriter.devices.executors import (
 from rewriter.report import Decision
 
 log = logging.getLogger("rewriter.progress")
-
-NAME = "compile"  # the decision row's pass_name
 
 # Graph rewrites Inductor makes itself on CPU and CUDA, and how: a regional capture's compile is
 # handed graphs built without these (with only the kept rewrites the compiler cannot make), so

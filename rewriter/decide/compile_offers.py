@@ -8,7 +8,7 @@ from rewriter.decide.amortize import predict_compile_seconds
 from rewriter.decide.compile_size import compile_nodes, repeated_nodes
 from rewriter.report import Decision
 
-NAME = "compile"
+NAME = "compile"  # the compile's decision rows' pass_name (the gate's and these)
 
 
 def regional_not_offered(gate: Any, ex: Any) -> Decision | None:

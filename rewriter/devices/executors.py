@@ -235,7 +235,7 @@ def compiled_runner(model: nn.Module, cap: Capture | None, backend: CompilerBack
     if cap is None:
         if generation:
             return CompiledForward(model, backend)
-        backend = with_config(backend, fallback_random=True) if same_masks else backend
+        backend = with_config(backend, **SAME_MASKS) if same_masks else backend
         return inspect.unwrap(torch.compile)(model, backend=backend)
     if isinstance(cap, RegionalCapture):
         return RegionalCompiled(cap, backend, source, set_aside)
@@ -364,10 +364,8 @@ class CompiledOriginal:
                  same_masks: bool = False) -> None:
         self.cap = cap if isinstance(cap, RegionalCapture) else None
         self.nest = bool(nest and self.cap is not None and self.cap.nests)
-        # same_masks: Inductor draws dropout with eager's random ops, so it is verified with
-        # dropout on (rewriter.decide.same_masks)
         patches = {**({"allow_buffer_reuse": False} if self.nest else {}),
-                   **({"fallback_random": True} if same_masks else {})}
+                   **(SAME_MASKS if same_masks else {})}
         if patches:
             backend = with_config(backend, **patches)
         self.fn = inspect.unwrap(torch.compile)(model, backend=backend)
@@ -381,6 +379,11 @@ class CompiledOriginal:
             if self.autocast is not None:
                 stack.enter_context(torch.autocast(self.autocast[0], dtype=self.autocast[1]))
             return self.fn(*args, **kwargs)
+
+
+# Inductor draws dropout with eager's random ops, so a compile is verified with dropout on
+# (rewriter.decide.same_masks)
+SAME_MASKS = {"fallback_random": True}
 
 
 def without_buffer_reuse(inductor: CompilerBackend) -> CompilerBackend:
