@@ -101,6 +101,18 @@ def test_while_a_compile_runs_inductors_load_check_reads_the_childs_answer(monke
     assert v.VecISA._probe_load is inductors_load
 
 
+def test_an_inductor_without_the_load_check_loads_the_programs_its_own_way(monkeypatch):
+    """Another torch's layout: the builds still run, nothing stands in front of Inductor."""
+    from torch._inductor import cpu_vec_isa as v
+    monkeypatch.delattr(v.VecISA, "_probe_load")
+    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["a", "b"])
+    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Program(), isa)])
+    futures = isa_probes.start_vec_isa_probes()
+    isa_probes.wait(futures)
+    assert sorted(f.result() for f in futures) == ["/cache/a.so", "/cache/b.so"]
+    assert not hasattr(v.VecISA, "_probe_load")
+
+
 def test_an_unexpected_inductor_layout_leaves_the_builds_to_inductor(monkeypatch):
     def broken():
         raise AttributeError("torch._inductor.cpu_vec_isa has no x86_isa_checker")

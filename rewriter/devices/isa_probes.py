@@ -188,8 +188,11 @@ def load_in_one_child(paths: list[str], env: dict[str, str] | None = None,
 
 
 def _probe_env() -> dict[str, str]:
-    """The environment Inductor's load check gives its child (libtorch on the loader's path)."""
+    """The environment Inductor's load check gives its child (libtorch on the loader's path);
+    raises where Inductor has no such check to stand in front of (another torch)."""
     from torch._inductor import cpu_vec_isa
+    if not callable(getattr(cpu_vec_isa.VecISA, "_probe_load", None)):
+        raise AttributeError("torch._inductor.cpu_vec_isa.VecISA has no _probe_load")
     return cpu_vec_isa.VecISA._build_probe_env()
 
 
