@@ -21,7 +21,9 @@ compile, warm cache or not (the answers last one process). Here, once the builds
 one child Python loads them all, in the environment Inductor gives its own, each load on its
 own (a failed ``dlopen`` is a False for that program alone); while a compile runs, Inductor's
 load check of a program loaded there reads that answer, and any other program (or one a child
-that died did not answer) is loaded Inductor's own way.
+that died did not answer) is loaded Inductor's own way. BERT bf16 ``optimize(steps=20000)``,
+alternating processes: cold, the compile 22.5 / 23.1 -> 21.5 / 21.4 s; a second process, its
+Inductor cache warm, 3.87 / 3.79 -> 2.44 / 2.36 s.
 
 The builds run on ISA objects of our own: the flags Inductor's check sets on its objects (the
 AVX-512 BF16 check changes ``_arch_flags`` while it runs) and its cached answers are its own; the
