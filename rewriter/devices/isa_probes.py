@@ -138,18 +138,20 @@ def start_vec_isa_probes() -> list[concurrent.futures.Future]:
     if _POOL is None:
         _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
                                                       thread_name_prefix="rewriter-isa-probe")
-    futures = [_POOL.submit(contextvars.copy_context().run, _build, mine, code) for mine, code in builds]
     try:
         env = _probe_env()
     except Exception as e:  # torch's layout changed: Inductor loads them as it always did
         log.debug("rewriter: vector-ISA test programs left to Inductor to load: %s", e)
-        return futures
-    # a thread of its own: a pool worker waiting for the builds would take a worker from them
-    loading: concurrent.futures.Future = concurrent.futures.Future()
-    with _LOCK:
+        env = None
+    loading: concurrent.futures.Future | None = None if env is None else concurrent.futures.Future()
+    with _LOCK:  # before the builds start: a program found built at once is recorded
         _ANSWERS.clear()
         _BUILT.clear()
         _LOADING = loading
+    futures = [_POOL.submit(contextvars.copy_context().run, _build, mine, code) for mine, code in builds]
+    if loading is None:
+        return futures
+    # a thread of its own: a pool worker waiting for the builds would take a worker from them
     threading.Thread(target=_load_when_built, args=(futures, env, loading), daemon=True,
                      name="rewriter-isa-load").start()
     _stand_in_front_of_inductors_load()
