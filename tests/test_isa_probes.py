@@ -12,6 +12,12 @@ import torch.nn as nn
 from rewriter.devices import isa_probes
 
 
+@pytest.fixture(autouse=True)
+def _inductor_has_not_decided(monkeypatch):
+    """As in a process's first compile (an earlier test's compile has Inductor's answers cached)."""
+    monkeypatch.setattr(isa_probes, "_inductor_has_decided", lambda: False)
+
+
 class _Build:
     """A stand-in test program whose build waits until every other one has started: it passes
     only if the builds run at the same time."""
@@ -230,3 +236,20 @@ def test_inductors_check_decides_the_same_with_the_childs_answers_as_with_its_ow
     assert own_loads == [] and futures[-1].result(), "Inductor loaded a program itself"
     assert decide() == answered and own_loads, "Inductor decided otherwise on its own loads"
     assert any(ok for ok, _ in answered)
+
+
+def test_once_inductor_has_picked_its_isas_a_later_compile_builds_and_loads_nothing(monkeypatch):
+    """Inductor's answers last the process: a second compile's builds were found at once, and a
+    child would load them again for nothing."""
+    from torch._inductor import cpu_vec_isa as v
+    monkeypatch.undo()  # the real question, not the fixture's answer
+    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["a", "b"])
+    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Program(), isa)])
+    v.valid_vec_isa_list()  # Inductor picks (its builds are on disk from the tests above, or built now)
+    assert isa_probes._inductor_has_decided()
+    assert isa_probes.start_vec_isa_probes() == []
+    v.valid_vec_isa_list.cache_clear()  # (Inductor picks again when next asked)
+    assert not isa_probes._inductor_has_decided()
+    futures = isa_probes.start_vec_isa_probes()
+    isa_probes.wait(futures)
+    assert len(futures) == 3

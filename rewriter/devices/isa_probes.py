@@ -127,6 +127,8 @@ def start_vec_isa_probes() -> list[concurrent.futures.Future]:
     check of a program loaded here reads the answer."""
     global _POOL, _LOADING
     try:
+        if _inductor_has_decided():
+            return []  # its answers last the process: no program is built or loaded again
         # one build per program (path): see _answered_load
         builds = list({(mine.build_arch_flags(), code): (mine, code)
                        for isa in candidate_isas() for mine, code in program_builds(isa)}.values())
@@ -156,6 +158,14 @@ def start_vec_isa_probes() -> list[concurrent.futures.Future]:
                      name="rewriter-isa-load").start()
     _stand_in_front_of_inductors_load()
     return futures + [loading]
+
+
+def _inductor_has_decided() -> bool:
+    """Whether Inductor has picked its ISAs in this process already (``valid_vec_isa_list`` is
+    cached: a second compile checks nothing)."""
+    from torch._inductor import cpu_vec_isa
+    info = getattr(cpu_vec_isa.valid_vec_isa_list, "cache_info", None)
+    return info is not None and info().currsize > 0
 
 
 def _build(mine: Any, code: str) -> str | None:
