@@ -58,9 +58,8 @@ _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 WAIT_SECONDS = 120.0  # a build that takes longer is left to finish on its own
 LOAD_SECONDS = 60.0   # Inductor's own limit for one program's load
 
-# While a compile runs: the load answers of the programs built for it (path -> loaded), the
-# future that fills them in, and Inductor's own load check, which ours stands in front of.
-_ANSWERS: dict[str, bool] = {}
+# While a compile runs: the programs built for it, the future of the child's load answers
+# (path -> loaded), and Inductor's own load check, which ours stands in front of.
 _BUILT: set[str] = set()
 _LOADING: concurrent.futures.Future | None = None
 _INDUCTORS_LOAD: Any = None
@@ -147,7 +146,6 @@ def start_vec_isa_probes() -> list[concurrent.futures.Future]:
         env = None
     loading: concurrent.futures.Future | None = None if env is None else concurrent.futures.Future()
     with _LOCK:  # before the builds start: a program found built at once is recorded
-        _ANSWERS.clear()
         _BUILT.clear()
         _LOADING = loading
     futures = [_POOL.submit(contextvars.copy_context().run, _build, mine, code) for mine, code in builds]
@@ -215,11 +213,7 @@ def _load_when_built(builds: list[concurrent.futures.Future], env: dict[str, str
     try:
         concurrent.futures.wait(builds, timeout=WAIT_SECONDS)
         paths = {f.result() for f in builds if f.done() and f.exception() is None} - {None}
-        answers = load_in_one_child(sorted(paths), env)
-        with _LOCK:
-            if _LOADING is loading:  # not a later compile's
-                _ANSWERS.update(answers)
-        loading.set_result(answers)
+        loading.set_result(load_in_one_child(sorted(paths), env))
     except Exception as e:  # noqa: BLE001 (Inductor loads them its own way then)
         loading.set_exception(e)
 
@@ -243,13 +237,12 @@ def _answered_load(isa: Any, output_path: str) -> bool:
     for this lock); any other is Inductor's to load, at once."""
     with _LOCK:
         loading, own, ours = _LOADING, _INDUCTORS_LOAD, output_path in _BUILT
+    answer = None
     if loading is not None and ours:
         try:
-            loading.result(timeout=WAIT_SECONDS + LOAD_SECONDS)
+            answer = loading.result(timeout=WAIT_SECONDS + LOAD_SECONDS).get(output_path)
         except Exception:  # noqa: BLE001 (no answer: Inductor's own check)
             pass
-    with _LOCK:
-        answer = _ANSWERS.get(output_path)
     if answer is not None:
         return answer
     if own is None:  # the compile has ended (wait): Inductor's own check is back in place
@@ -266,7 +259,6 @@ def wait(futures: list[concurrent.futures.Future], timeout: float = WAIT_SECONDS
         concurrent.futures.wait(futures, timeout=timeout)
     with _LOCK:
         _LOADING = None
-        _ANSWERS.clear()
         _BUILT.clear()
         if _INDUCTORS_LOAD is not None:
             from torch._inductor import cpu_vec_isa
