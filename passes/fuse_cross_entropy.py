@@ -248,7 +248,7 @@ class FuseCrossEntropy(Pass):
                 # the upcast apply() drops, and the flattening it retypes, are the site's too:
                 # its region holds them, so the loss is decided on its region, not the step
                 sites.append(Site(n, f"{n.name} (cross-entropy, gradient made in forward)", a,
-                                  _upcast_chain(a["input"])))
+                                  upcast_chain(a["input"])))
         return sites
 
     def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
@@ -261,14 +261,14 @@ class FuseCrossEntropy(Pass):
             mark_new_node(new, self.name, like=ce)
             ce.replace_all_uses_with(new)
             g.erase_node(ce)
-            _skip_upcast(g, site.covers)
+            skip_upcast(g, site.covers)
 
 
 # the flattening between transformers' ``logits.float()`` and the loss: ``view(-1, V)``
 _RESHAPES = ("view", "reshape", "flatten")
 
 
-def _upcast_chain(logits: Node) -> tuple[Node, ...]:
+def upcast_chain(logits: Node) -> tuple[Node, ...]:
     """The flattening between the loss and the logits' own fp32 upcast, then the upcast, each
     node read by the next only (transformers' ``logits.float().view(-1, V)``); no upcast: ()."""
     chain, node = [], logits
@@ -280,8 +280,8 @@ def _upcast_chain(logits: Node) -> tuple[Node, ...]:
     return (*chain, node)
 
 
-def _skip_upcast(g: Any, covers: tuple[Node, ...]) -> None:
-    """A site's :func:`_upcast_chain` (its ``covers``): the flattening reads the upcast's input
+def skip_upcast(g: Any, covers: tuple[Node, ...]) -> None:
+    """A site's :func:`upcast_chain` (its ``covers``): the flattening reads the upcast's input
     instead and the upcast goes. The fused loss upcasts a chunk at a time, so once cast_to_half
     makes the logits half the whole fp32 copy is not made (nor its gradient's way back); in fp32
     the upcast did nothing."""

@@ -16,6 +16,7 @@ import torch.nn as nn
 from rewriter.capture.blocks import find_blocks
 from rewriter.capture.install import FLAG, NESTED
 from rewriter.capture.regional import RegionalCapture, _nested_instances
+from rewriter.devices.compiled_loss import CACHEABLE
 from tests.test_regional import Stack
 
 
@@ -196,7 +197,9 @@ def test_optimize_compiles_the_original_model_with_its_blocks_nested_and_inducto
         want = Headed()(x)
     row, = [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
     assert row.kept and row.sites == ["inductor (original model, blocks nested, autocast bfloat16)"], row
-    assert rec.patches and all(p == {"allow_buffer_reuse": False} for p in rec.patches)
+    assert rec.patches and all(p["allow_buffer_reuse"] is False for p in rec.patches)
+    # CPU training: the losses' compiler forms are on, and AOTAutograd may cache their graphs
+    assert all(set(CACHEABLE) <= set(p["unsafe_marked_cacheable_functions"]) for p in rec.patches)
     calls = [c for gm in rec.graphs for c in _region_calls(gm)]
     # the first block's input needs no gradient: a signature of its own, used once, inlined
     assert len(calls) == 2 and len(set(calls)) == 1, calls
@@ -253,7 +256,7 @@ def test_a_training_step_that_draws_dropout_nests_only_where_verified_with_the_s
     row, = [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
     assert row.kept and row.sites == ["inductor (original model, blocks nested, autocast bfloat16)"], row
     assert "the same masks" in row.verification, row.verification
-    assert {"allow_buffer_reuse": False, "fallback_random": True} in rec.patches
+    assert any(p["allow_buffer_reuse"] is False and p["fallback_random"] is True for p in rec.patches)
     fast.restore()
 
     monkeypatch.setattr(CompileGate, "_same_masks", lambda self, ex, original=True: False)

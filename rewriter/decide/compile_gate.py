@@ -7,10 +7,11 @@ worse input than the model's own code. Under a regional capture one compile is p
 the regional compile (every graph once, built without the kept rewrites the compiler makes
 itself, :data:`COMPILER_DOES_ITSELF`); beside a kept bf16 precision in training, the original
 model under autocast compiled whole, its repeated blocks nested compile regions (Inductor; one
-that raises or fails verification is compiled again without them; decided first where it would
-supersede every rewrite: rewriter.decide.compile_first). Which forms, and why: :meth:`_forms`,
-the README. Verified like any rewrite (dropout: same_masks.py), timed against the rewritten
-eager step by the step-scope rules (gate.decide) at half the region margin (:func:`compile_margin`)::
+that raises or fails verification is compiled again without them; CPU: its losses in compiler
+forms, CompiledOriginal's ``loss_forms``; decided first where it would supersede every rewrite:
+rewriter.decide.compile_first). Which forms, and why: :meth:`_forms`, the README. Verified like
+any rewrite (dropout: same_masks.py), timed against the rewritten eager step by the step-scope
+rules (gate.decide) at half the region margin (:func:`compile_margin`)::
 
     CompileGate(run).decide()          # optimize(compile=True)
     CompileGate(run).replay(entry)     # a plan's {"executor": ..., "kept": True}: no measuring
@@ -46,8 +47,7 @@ from rewriter.decide.same_masks import verify_with_masks
 from rewriter.decide.set_aside import compile_sources
 from rewriter.decide.verify import compare_runs, dropout_disabled, tolerance_for
 from rewriter.devices.compile_cache import cache_folder, is_warm, use_persistent_cache
-from rewriter.devices.isa_probes import start_vec_isa_probes
-from rewriter.devices.isa_probes import wait as wait_for_isa_probes
+from rewriter.devices.isa_probes import start_vec_isa_probes, wait as wait_for_isa_probes
 from rewriter.devices.executors import (
     CompiledOriginal,
     Executor,
@@ -254,8 +254,10 @@ class CompileGate:
 
     def _same_masks(self, ex: Executor, original: bool = True) -> bool:
         r = self.run  # the model's own code compiled draws eager's dropout masks (same_masks.py)
-        return ex.name == "inductor" and r.job.backend.name == "cpu" and r.job.training \
-            and has_dropout(r.cap, r.job.model) and (original or not (r.kept or self._blocks_form()))
+        return self._cpu_training(ex) and has_dropout(r.cap, r.job.model) and (original or not (r.kept or self._blocks_form()))
+
+    def _cpu_training(self, ex: Executor) -> bool:  # where same masks and loss forms were measured
+        return ex.name == "inductor" and self.run.job.backend.name == "cpu" and self.run.job.training
 
     def _blocks_form(self) -> bool:
         """Nothing rewritten kept under a regional capture (training, or one call a step): the
@@ -452,7 +454,8 @@ class CompileGate:
             try:
                 with r._phase("compile"):
                     runner = CompiledOriginal(r.job.model, r.cap, ex.resolve(), self._autocast(),
-                                              nest=self._nests(ex), same_masks=self._masks)
+                                              nest=self._nests(ex), same_masks=self._masks,
+                                              loss_forms=self._cpu_training(ex))
                     self._step(runner).run()
             except Exception as e:
                 return None, \
@@ -581,9 +584,8 @@ class CompileGate:
         elif getattr(runner, "set_aside", ()):  # superseded, out of the plan's kept passes
             r.compile_plan["set_aside"] = list(runner.set_aside)
         if not r.report.final.get("kept"):  # no rewrite kept: the original model, compiled, runs
-            r.report.final["kept"] = True
-            r.report.final["reason"] = (f"{r.report.final.get('reason', 'no rewrite was kept')}; "
-                                        f"the model compiled with {ex.name} runs")
+            r.report.final.update(kept=True, reason=f"{r.report.final.get('reason', 'no rewrite was kept')}; "
+                                  f"the model compiled with {ex.name} runs")
         r.report.final["compiled"] = ex.name
         r.report.notes.append(f"compiled with {ex.name} (gated on the whole step)")
 

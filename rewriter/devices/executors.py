@@ -46,7 +46,9 @@ from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.generation import forward_in_place, is_decode_call
 from rewriter.decide.job import switched
 from rewriter.decide.verify import dropout_disabled
+from rewriter.devices.compiled_loss import CACHEABLE, with_compiled_losses
 from rewriter.devices.dynamo_inputs import as_dynamo_hands_it
+from rewriter.devices.loss_cut import cut_after_returned_inputs
 from rewriter.devices.npu_capabilities import torch_npu_release
 
 CompilerBackend = Callable[..., Any]  # torch.compile's backend protocol: (gm, example_inputs) -> callable
@@ -356,18 +358,25 @@ class CompiledOriginal:
 
     ``nest`` (Inductor): each repeated block's instances are one nested compile region
     (``RegionalCapture.lifted(nest=True)``), compiled once for all of them, with Inductor's
-    buffer reuse off (:func:`without_buffer_reuse`).
+    buffer reuse off (:func:`without_buffer_reuse`). ``loss_forms`` (Inductor, training): each
+    cross-entropy handed over in the form whose backward it writes in one pass, and a graph
+    returning the logits its loss is made of cut after them
+    (:mod:`rewriter.devices.compiled_loss`, :mod:`rewriter.devices.loss_cut`).
     """
 
     def __init__(self, model: nn.Module, cap: Capture | None, backend: CompilerBackend,
                  autocast: tuple[str, torch.dtype] | None = None, nest: bool = False,
-                 same_masks: bool = False) -> None:
+                 same_masks: bool = False, loss_forms: bool = False) -> None:
         self.cap = cap if isinstance(cap, RegionalCapture) else None
         self.nest = bool(nest and self.cap is not None and self.cap.nests)
         patches = {**({"allow_buffer_reuse": False} if self.nest else {}),
-                   **(SAME_MASKS if same_masks else {})}
+                   **(SAME_MASKS if same_masks else {}),
+                   **({"unsafe_marked_cacheable_functions": cacheable_with_losses()} if loss_forms else {})}
         if patches:
             backend = with_config(backend, **patches)
+        if loss_forms:
+            backend = with_compiled_losses(cut_after_returned_inputs(backend))
+        self.loss_forms = loss_forms
         self.fn = inspect.unwrap(torch.compile)(model, backend=backend)
         # (device type, dtype): the precision the rewrites set (cast_to_half), as autocast
         self.autocast = autocast
@@ -384,6 +393,12 @@ class CompiledOriginal:
 # Inductor draws dropout with eager's random ops, so a compile is verified with dropout on
 # (rewriter.decide.same_masks)
 SAME_MASKS = {"fallback_random": True}
+
+
+def cacheable_with_losses() -> dict[str, str]:
+    """Inductor's ``unsafe_marked_cacheable_functions`` as set, and the compiled loss's entry."""
+    import torch._inductor.config as inductor_config
+    return {**inductor_config.unsafe_marked_cacheable_functions, **CACHEABLE}
 
 
 def without_buffer_reuse(inductor: CompilerBackend) -> CompilerBackend:
