@@ -207,15 +207,15 @@ def ce_arguments(gm: GraphModule, node: Node) -> dict[str, Any] | None:
     return None
 
 
-def why_not(a: dict[str, Any]) -> str | None:
+def why_not(a: dict[str, Any], dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> str | None:
     """Why the cross-entropy with arguments ``a`` (:func:`ce_arguments`) is not rewritten, or
-    None when it is."""
+    None when it is (``dtypes``: the logits' dtypes it is written for)."""
     logits, target = tensor_info(a["input"]), tensor_info(a["target"])
     if logits is None or target is None:
         return "the logits' or the target's shape is unknown"
     if logits.ndim != 2 or target.ndim != 1 or target.dtype.is_floating_point:
         return "not [tokens, classes] logits with one class index per token"
-    if logits.dtype != torch.float32:
+    if logits.dtype not in dtypes:
         return f"the logits are {logits.dtype} (the fused loss is written for fp32)"
     if a["weight"] is not None:
         return "a class-weighted loss"

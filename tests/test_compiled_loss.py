@@ -9,10 +9,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rewriter.devices.compiled_loss import (CACHEABLE, compiled_cross_entropy, rewrite_losses,
-                                            with_compiled_losses)
+from passes.fuse_cross_entropy import fused_cross_entropy
+from rewriter.devices.compiled_loss import (CACHEABLE, compiled_cross_entropy, loss_part_backend,
+                                            rewrite_losses, with_compiled_losses)
 from rewriter.devices.executors import cacheable_with_losses
-from rewriter.devices.loss_cut import _cut, cut_after_returned_inputs
+from rewriter.devices.loss_cut import _cut
 from tests.test_nested_blocks import Recorder
 
 
@@ -107,7 +108,7 @@ def test_a_model_compiled_with_the_forms_gives_the_eager_loss_and_gradients():
     labels[0, 0] = -100
     eager, model = LM(), LM()
     model.load_state_dict(eager.state_dict())
-    compiled = torch.compile(model, backend=with_compiled_losses(cut_after_returned_inputs(torch._dynamo.lookup_backend("aot_eager"))))
+    compiled = torch.compile(model, backend=with_compiled_losses(torch._dynamo.lookup_backend("aot_eager")))
     try:
         for m in (eager, compiled):
             logits, loss = m(h, labels)
@@ -175,3 +176,76 @@ def test_aotautograds_cache_accepts_the_form_only_as_marked_cacheable():
     assert set(CACHEABLE) <= set(cacheable_with_losses())
     with torch._inductor.config.patch(unsafe_marked_cacheable_functions=cacheable_with_losses()):
         check_node_safe(node)  # raises if the name is not the one AOTAutograd reads
+
+
+def test_half_logits_qualify_only_under_cpu_autocast_of_their_dtype():
+    """Under CPU autocast F.cross_entropy of bf16 logits computes in fp32 (the form's math);
+    outside it, in bf16: left as it is."""
+    class Half(nn.Module):
+        def forward(self, logits, labels):
+            return F.cross_entropy(logits.view(-1, 50), labels.view(-1))
+
+    args = torch.randn(2, 6, 50).to(torch.bfloat16), torch.randint(0, 50, (2, 6))
+    assert rewrite_losses(_graph_of(Half(), *args)) == 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gm = _graph_of(Half(), *args)
+        assert rewrite_losses(gm) == 1
+
+
+def _second_part(model, *args):
+    gm = _graph_of(model, *args)
+    rewrite_losses(gm)
+    with torch.enable_grad():
+        return _cut(gm)[1]
+
+
+class Scaled(LM):
+    """The logits scaled in the loss's part: work the eager loss part would not compile."""
+
+    def forward(self, h, labels):
+        logits = self.head(h)
+        return logits, F.cross_entropy((logits * 2.0).view(-1, 50), labels.view(-1))
+
+
+def test_a_part_of_losses_and_views_runs_the_eager_fused_loss_and_any_other_is_compiled():
+    h, labels = torch.randn(2, 6, 8), torch.randint(0, 50, (2, 6))
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(gm)
+        return gm
+
+    part = _second_part(LM(), h, labels)
+    assert loss_part_backend(backend)(part, []) is part and not compiled
+    assert fused_cross_entropy in _targets(part) and compiled_cross_entropy not in _targets(part)
+    part = _second_part(Scaled(), h, labels)
+    loss_part_backend(backend)(part, [torch.randn(2, 6, 50), labels.view(-1)])
+    assert compiled == [part] and compiled_cross_entropy in _targets(part)
+
+
+def test_with_compiled_losses_cuts_only_where_the_part_after_the_cut_holds_a_loss():
+    class Head(nn.Module):  # returns its hidden states and the logits made of them: no loss
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 50)
+
+        def forward(self, h):
+            hidden = self.body(h)
+            return hidden, self.head(hidden)
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    h, labels = torch.randn(2, 6, 8), torch.randint(0, 50, (2, 6))
+    try:
+        torch.compile(Head(), backend=with_compiled_losses(backend))(h)
+        assert len(graphs) == 1  # whole
+        torch._dynamo.reset()
+        graphs.clear()
+        torch.compile(LM(), backend=with_compiled_losses(backend))(h, labels)
+        assert len(graphs) == 1 and compiled_cross_entropy not in _targets(graphs[0])  # the loss's part runs eagerly
+    finally:
+        torch._dynamo.reset()

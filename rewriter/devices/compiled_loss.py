@@ -1,44 +1,54 @@
-"""The cross-entropy a compiler is handed: one whose backward it writes in one pass.
+"""The cross-entropy a compiler is handed: in a form that costs one pass at backward.
 
 Inductor (torch 2.13, CPU) compiles ``F.cross_entropy``'s backward from its decomposition:
 nll_loss's backward is a dense compare of every class against the target (int64 vectors), then
-log-softmax's backward, then the returned logits' zero gradient added in (1024 x 8000 bf16
-logits: several passes, ~7 ms of LLaMA's ~80 ms compiled bf16 step on the 2-core Xeon with
-AMX, where writing the gradient once costs ~2.5 ms). This form states the gradient directly:
-``softmax(x) * scale`` written once in the logits' dtype, then each row's target entry set
-(an N-element scatter), the log-sum-exp and the target's logit kept from forward::
+log-softmax's backward, then the returned logits' zero gradient added in (a model returning its
+logits beside the loss, compiled as one graph: autograd makes that gradient a tensor of zeros).
+1024 x 8000 bf16 logits: several passes, ~7 ms of LLaMA's ~80 ms compiled bf16 step on the
+2-core Xeon with AMX, where writing the gradient once costs ~2.5 ms. :func:`with_compiled_losses`
+changes the graphs a compiler is handed, and nothing else::
 
     backend = with_compiled_losses(inductor)   # a Dynamo backend like inductor
     compiled = torch.compile(model, backend=backend)
 
-``with_compiled_losses`` rewrites each Dynamo graph before the compiler gets it:
-``F.cross_entropy(logits.float().view(-1, V), target, ignore_index=i, reduction=r)`` (an
-``nn.CrossEntropyLoss`` alike) -> ``compiled_cross_entropy(logits.view(-1, V), target, i, r)``,
-under the conditions of the eager fused loss (``passes.fuse_cross_entropy.why_not``: 2-D fp32
-logits, a 1-D int64 target, no class weights or label smoothing, ``mean`` or ``sum``, a
-constant ``ignore_index``); its own fp32 upcast of half logits is dropped, as that pass drops
-it (the form upcasts inside; its gradient is the fp32 one rounded once to the logits' dtype, as
-``.float()``'s backward rounds it). Anything else is left as it is.
+1. Each qualifying cross-entropy -> :func:`compiled_cross_entropy`, whose backward writes
+   ``softmax(x) * scale`` once in the logits' dtype and sets each row's target entry (an
+   N-element scatter), the log-sum-exp and the target's logit kept from forward. Qualifying: the
+   conditions of the eager fused loss (``passes.fuse_cross_entropy.why_not``: 2-D logits, a 1-D
+   int64 target, no class weights or label smoothing, ``mean`` or ``sum``, a constant
+   ``ignore_index``), the logits fp32 or, under CPU autocast, of autocast's dtype (autocast runs
+   F.cross_entropy in fp32: the same math); an fp32 upcast of half logits on the way is dropped
+   (the form upcasts inside; its gradient is the fp32 one rounded once, as ``.float()``'s
+   backward rounds it).
+2. A graph returning the logits its loss is made of is cut after them
+   (:mod:`rewriter.devices.loss_cut`): the returned logits get no zero gradient. The loss's part
+   (views, the loss, scalar arithmetic) runs the eager fused loss (``fused_cross_entropy``: the
+   gradient made in forward, a chunk of rows at a time in cache), uncompiled: no second compile,
+   and the model's compile has no loss in it. A part holding anything else is compiled; a cut
+   whose part holds no loss is not made.
 
-Measured with :func:`rewriter.devices.loss_cut.cut_after_returned_inputs` (the loss's graph cut
-from the model's, so the returned logits get no zero gradient; alone, this form's separate
-scatter makes that zero gradient's add a pass of its own): the compiled bf16 training step
-(nested blocks, autocast, fused AdamW), 4 layers, hidden 256, vocab 8000, 4 x 256 tokens, 2-core
-Xeon with AMX, torch 2.13, interleaved in one process (``.diag/cut_ce.py``), over the stock
-compile: LLaMA 1.135x, Qwen2 1.149x, GPT-2 1.030x, BERT 1.064x, DistilBERT 1.074x (the
-process's default allocator); with freed host memory kept (no fresh pages at all: the work
-alone) 1.068x, 1.059x, 1.034x, 1.040x, 1.033x. Loss and gradients equal the stock form's up to
+The compiled bf16 training step (the original model, nested blocks, autocast, fused AdamW), 4
+layers, hidden 256, vocab 8000, 4 x 256 tokens, 2-core Xeon with AMX, torch 2.13, interleaved in
+one process (``.diag/cut_ce.py``), over the stock compile: LLaMA 1.172x, Qwen2 1.097x, BERT
+1.065x, DistilBERT 1.099x; GPT-2, whose loss is a graph of its own already (transformers breaks
+the graph there), 1.03-1.04x from (1) alone. Loss and gradients equal the stock form's up to
 fp32 rounding. AOTAutograd's cache keeps a graph holding the form (``CACHEABLE``, keyed by
 ``VERSION``).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
 from torch.fx import GraphModule
 
+from rewriter.capture.ir import op_name
+from rewriter.devices.dynamo_inputs import as_dynamo_hands_it
+from rewriter.devices.loss_cut import cut_after_returned_inputs
+
 CompilerBackend = Callable[..., Any]
+log = logging.getLogger(__name__)
 
 VERSION = "1"  # in AOTAutograd's cache key: a change to the form's code must change it
 
@@ -90,10 +100,15 @@ def rewrite_losses(gm: GraphModule) -> int:
     from passes.fuse_cross_entropy import ce_arguments, skip_upcast, upcast_chain, why_not
     from rewriter.capture.ir import tensor_info
 
+    # under CPU autocast, F.cross_entropy of half logits computes in fp32 (autocast's fp32 list):
+    # what this form computes
+    half = (torch.get_autocast_dtype("cpu"),) if torch.is_autocast_enabled("cpu") else ()
     done = 0
     for node in list(gm.graph.nodes):
         a = ce_arguments(gm, node)
-        if a is None or why_not(a) is not None:
+        if a is None or why_not(a, (torch.float32, *half)) is not None:
+            continue
+        if tensor_info(a["input"]).dtype != torch.float32 and tensor_info(a["input"]).device.type != "cpu":
             continue
         target = tensor_info(a["target"])
         if target is None or target.dtype != torch.int64:  # gather's index (why_not allows any int)
@@ -111,11 +126,51 @@ def rewrite_losses(gm: GraphModule) -> int:
     return done
 
 
+# what a second part may hold beside its losses and still run as it is, uncompiled: views, and
+# arithmetic on scalars (the loss divided by a count)
+VIEWS = {"view", "reshape", "flatten", "unsqueeze", "squeeze", "expand", "permute", "transpose", "t",
+         "getitem"}
+
+
+def _cheap(node: Any) -> bool:
+    numel = node.meta.get("numel")
+    return op_name(node) in VIEWS or (numel is not None and numel <= 1)
+
+
+def loss_part_backend(backend: CompilerBackend) -> CompilerBackend:
+    """The backend of a cut's second part (rewriter.devices.loss_cut): a part that is its losses
+    and views runs as it is, each loss the eager fused form (passes.fuse_cross_entropy: the
+    gradient made in forward, a chunk of rows at a time in cache), nothing compiled; any other
+    part goes to ``backend`` as Dynamo hands a graph over."""
+    from passes.fuse_cross_entropy import fused_cross_entropy
+
+    def compile_part(gm: GraphModule, example_inputs: Any) -> Any:
+        work = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+        losses = [n for n in work if n.target is compiled_cross_entropy]
+        if not losses or not all(_cheap(n) for n in work if n not in losses):
+            log.debug("rewriter: the loss's part compiled: %s", [str(n.target) for n in work])
+            return as_dynamo_hands_it(backend)(gm, example_inputs)
+        log.debug("rewriter: the loss's part runs the eager fused loss (%d)", len(losses))
+        for n in losses:
+            n.target = fused_cross_entropy
+        gm.recompile()
+        return gm
+    return compile_part
+
+
+def _holds_a_loss(part: GraphModule) -> bool:
+    # a cut anywhere else (GPT-2: its head, after the hidden states) measured no gain or a loss
+    return any(n.target is compiled_cross_entropy for n in part.graph.nodes)
+
+
 def with_compiled_losses(backend: CompilerBackend) -> CompilerBackend:
     """``backend`` (a Dynamo backend), each graph's cross-entropies rewritten first
-    (:func:`rewrite_losses`)."""
+    (:func:`rewrite_losses`), then a graph that returns the logits its loss is made of cut after
+    them (rewriter.devices.loss_cut), the loss's part by :func:`loss_part_backend`."""
+    cut = cut_after_returned_inputs(backend, loss_part_backend(backend), only_if=_holds_a_loss)
+
     def compile_graph(gm: GraphModule, example_inputs: Any) -> Any:
-        rewrite_losses(gm)
-        return backend(gm, example_inputs)
+        log.debug("rewriter: %d cross-entropies in their compiled form", rewrite_losses(gm))
+        return cut(gm, example_inputs)
     compile_graph.__name__ = getattr(backend, "__name__", "compiler")
     return compile_graph

@@ -48,7 +48,6 @@ from rewriter.decide.job import switched
 from rewriter.decide.verify import dropout_disabled
 from rewriter.devices.compiled_loss import CACHEABLE, with_compiled_losses
 from rewriter.devices.dynamo_inputs import as_dynamo_hands_it
-from rewriter.devices.loss_cut import cut_after_returned_inputs
 from rewriter.devices.npu_capabilities import torch_npu_release
 
 CompilerBackend = Callable[..., Any]  # torch.compile's backend protocol: (gm, example_inputs) -> callable
@@ -375,7 +374,7 @@ class CompiledOriginal:
         if patches:
             backend = with_config(backend, **patches)
         if loss_forms:
-            backend = with_compiled_losses(cut_after_returned_inputs(backend))
+            backend = with_compiled_losses(backend)
         self.loss_forms = loss_forms
         self.fn = inspect.unwrap(torch.compile)(model, backend=backend)
         # (device type, dtype): the precision the rewrites set (cast_to_half), as autocast
