@@ -9,9 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from passes.fuse_cross_entropy import fused_cross_entropy
-from rewriter.devices.compiled_loss import (CACHEABLE, compiled_cross_entropy, loss_part_backend,
-                                            rewrite_losses, with_compiled_losses)
+from rewriter.devices.compiled_loss import (CACHEABLE, compiled_cross_entropy, rewrite_losses,
+                                            with_compiled_losses)
 from rewriter.devices.executors import cacheable_with_losses
 from rewriter.devices.loss_cut import _cut
 from tests.test_nested_blocks import Recorder
@@ -192,37 +191,6 @@ def test_half_logits_qualify_only_under_cpu_autocast_of_their_dtype():
         assert rewrite_losses(gm) == 1
 
 
-def _second_part(model, *args):
-    gm = _graph_of(model, *args)
-    rewrite_losses(gm)
-    with torch.enable_grad():
-        return _cut(gm)[1]
-
-
-class Scaled(LM):
-    """The logits scaled in the loss's part: work the eager loss part would not compile."""
-
-    def forward(self, h, labels):
-        logits = self.head(h)
-        return logits, F.cross_entropy((logits * 2.0).view(-1, 50), labels.view(-1))
-
-
-def test_a_part_of_losses_and_views_runs_the_eager_fused_loss_and_any_other_is_compiled():
-    h, labels = torch.randn(2, 6, 8), torch.randint(0, 50, (2, 6))
-    compiled = []
-
-    def backend(gm, example_inputs):
-        compiled.append(gm)
-        return gm
-
-    part = _second_part(LM(), h, labels)
-    assert loss_part_backend(backend)(part, []) is part and not compiled
-    assert fused_cross_entropy in _targets(part) and compiled_cross_entropy not in _targets(part)
-    part = _second_part(Scaled(), h, labels)
-    loss_part_backend(backend)(part, [torch.randn(2, 6, 50), labels.view(-1)])
-    assert compiled == [part] and compiled_cross_entropy in _targets(part)
-
-
 def test_with_compiled_losses_cuts_only_where_the_part_after_the_cut_holds_a_loss():
     class Head(nn.Module):  # returns its hidden states and the logits made of them: no loss
         def __init__(self) -> None:
@@ -246,6 +214,7 @@ def test_with_compiled_losses_cuts_only_where_the_part_after_the_cut_holds_a_los
         torch._dynamo.reset()
         graphs.clear()
         torch.compile(LM(), backend=with_compiled_losses(backend))(h, labels)
-        assert len(graphs) == 1 and compiled_cross_entropy not in _targets(graphs[0])  # the loss's part runs eagerly
+        assert len(graphs) == 2  # cut: the model's part, then the loss's at its first call
+        assert compiled_cross_entropy not in _targets(graphs[0]) and compiled_cross_entropy in _targets(graphs[1])
     finally:
         torch._dynamo.reset()

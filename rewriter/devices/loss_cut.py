@@ -11,7 +11,7 @@ logits too gets the sum, as eager autograd gives it. The two parts compute what 
 computes, op for op; nothing of the model's code changes. The second part is compiled at its
 first call, with the tensors the first part returned, handed over as Dynamo hands a graph over
 (:mod:`rewriter.devices.dynamo_inputs`: Inductor's and AOTAutograd's caches keep it), or goes to
-a ``second_backend`` of the caller's (rewriter.devices.compiled_loss runs a loss's part eagerly)::
+a ``second_backend`` of the caller's::
 
     backend = cut_after_returned_inputs(inductor)   # a Dynamo backend like inductor
     compiled = torch.compile(model, backend=backend)
@@ -160,14 +160,12 @@ def _first_part(gm: GraphModule, kept: list[Any], second: set[Node], from_first:
 
 def _second_graph(order: list[Node], reads: list[Node], outputs: list[Node]) -> Graph:
     """Compiled apart, with the tensors it reads: none of Dynamo's records of its trace (meta)
-    comes along but each node's size, ``meta["numel"]`` (None: not a tensor), for a
-    ``second_backend`` to judge the part by."""
+    comes along."""
     graph = Graph()
     env: dict[Node, Node] = {a: graph.placeholder(f"read_{i}") for i, a in enumerate(reads)}
     for n in order:
         env[n] = graph.node_copy(n, lambda a: env[a])
-        value = _value(n)
-        env[n].meta = {"numel": value.numel() if isinstance(value, torch.Tensor) else None}
+        env[n].meta = {}
     graph.output(tuple(env[v] for v in outputs))
     return graph
 
