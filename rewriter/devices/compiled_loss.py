@@ -106,11 +106,11 @@ def rewrite_losses(gm: GraphModule) -> int:
     for node in list(gm.graph.nodes):
         a = ce_arguments(gm, node)
         if a is None or why_not(a, (torch.float32, *half)) is not None:
+            continue  # (why_not passed: both infos are known)
+        logits, target = tensor_info(a["input"]), tensor_info(a["target"])
+        if logits.dtype != torch.float32 and logits.device.type != "cpu":  # CPU autocast's only
             continue
-        if tensor_info(a["input"]).dtype != torch.float32 and tensor_info(a["input"]).device.type != "cpu":
-            continue
-        target = tensor_info(a["target"])
-        if target is None or target.dtype != torch.int64:  # gather's index (why_not allows any int)
+        if target.dtype != torch.int64:  # gather's index (why_not allows any integer)
             continue
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(compiled_cross_entropy, (

@@ -375,7 +375,6 @@ class CompiledOriginal:
             backend = with_config(backend, **patches)
         if loss_forms:
             backend = with_compiled_losses(backend)
-        self.loss_forms = loss_forms
         self.fn = inspect.unwrap(torch.compile)(model, backend=backend)
         # (device type, dtype): the precision the rewrites set (cast_to_half), as autocast
         self.autocast = autocast

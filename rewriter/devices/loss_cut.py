@@ -10,19 +10,18 @@ graph whose backward hands the first the logits' real gradient; a caller that di
 logits too gets the sum, as eager autograd gives it. The two parts compute what the one graph
 computes, op for op; nothing of the model's code changes. The second part is compiled at its
 first call, with the tensors the first part returned, handed over as Dynamo hands a graph over
-(:mod:`rewriter.devices.dynamo_inputs`: Inductor's and AOTAutograd's caches keep it), or goes to
-a ``second_backend`` of the caller's::
+(:mod:`rewriter.devices.dynamo_inputs`: Inductor's and AOTAutograd's caches keep it)::
 
     backend = cut_after_returned_inputs(inductor)   # a Dynamo backend like inductor
     compiled = torch.compile(model, backend=backend)
 
-What it is worth alone is small (LLaMA 0.99-1.06x over three runs, the others 0.99-1.01x: the loss's
-stock backward reads the zeros in its own pass, and the second compile costs ~1.2 s cold): with
-rewriter.devices.compiled_loss the two remove the fill and the pass; see that module for the
-figures. Declined (the graph
-compiled whole, as before): no such output; grad mode off; symbolic sizes (the second part is
-compiled for the sizes it first sees); a second part that would read a module or an attribute,
-draw random numbers or change a tensor in place.
+What it is worth alone is small (LLaMA 0.99-1.06x over three runs, the others 0.99-1.01x: the
+loss's stock backward reads the zeros in its own pass, and the second compile costs ~1.2 s
+cold): with rewriter.devices.compiled_loss the two remove the fill and the pass; see that module
+for the figures. Declined (the graph compiled whole, as before): no such output; grad mode off;
+symbolic sizes (the second part is compiled for the sizes it first sees); a second part that
+would read a module or an attribute, draw random numbers or change a tensor in place; a second
+part the caller's ``only_if`` refuses.
 """
 from __future__ import annotations
 
@@ -43,20 +42,18 @@ _RANDOM = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_
            torch.bernoulli, torch.nn.functional.dropout, torch.dropout, torch.multinomial}
 
 
-def cut_after_returned_inputs(backend: CompilerBackend, second_backend: CompilerBackend | None = None,
+def cut_after_returned_inputs(backend: CompilerBackend,
                               only_if: Callable[[GraphModule], bool] | None = None) -> CompilerBackend:
     """``backend`` (a Dynamo backend) for each graph, except that a training graph returning a
-    tensor another output is computed from is compiled in two parts (see the module); the
-    second by ``second_backend`` where given (called with the part and the tensors it reads
-    at its first call); ``only_if``: a test of the second part, the graph cut only where it holds."""
+    tensor another output is computed from is compiled in two parts (see the module);
+    ``only_if``: a test of the second part, the graph cut only where it holds."""
     def compile_graph(gm: GraphModule, example_inputs: Any) -> Any:
         cut = _cut(gm)
         if cut is None or (only_if is not None and not only_if(cut[1])):
             return backend(gm, example_inputs)
         first, second, plan = cut
         log.debug("rewriter: graph cut after its returned %s", plan["reads"])
-        later = as_dynamo_hands_it(backend) if second_backend is None else second_backend
-        return _TwoParts(backend(first, example_inputs), second, plan, later)
+        return _TwoParts(backend(first, example_inputs), second, plan, as_dynamo_hands_it(backend))
     compile_graph.__name__ = getattr(backend, "__name__", "compiler")
     return compile_graph
 
