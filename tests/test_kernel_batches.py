@@ -1,0 +1,115 @@
+"""Inductor's CPU kernels built a few to a program (rewriter.devices.kernel_batches): the same
+results forward and backward as eager, the kernels really batched (a backward compiled at the
+first backward too), a program that fails to build falling back to Inductor's own builds, and
+Inductor left alone outside the block."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch._inductor.utils import fresh_inductor_cache
+
+from rewriter.devices.backends import get_backend
+from rewriter.devices import kernel_batches
+from rewriter.devices.executors import executors_for
+from rewriter.devices.kernel_batches import program, split_includes, with_kernel_batches
+
+pytestmark = pytest.mark.skipif(not kernel_batches.supported(), reason="this Inductor's private API differs")
+
+
+def f(x, w):
+    # several kernels: reductions on either side of a GEMM, forward and backward
+    h = torch.softmax(x, dim=-1) * x.sum(-1, keepdim=True)
+    y = torch.tanh(h @ w)
+    return (y * y.mean(0)).sum()
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return torch.randn(16, 32, requires_grad=True), torch.randn(32, 8, requires_grad=True)
+
+
+def _run(fn):
+    x, w = _inputs()
+    out = fn(x, w)
+    out.backward()
+    return out.detach(), x.grad, w.grad
+
+
+@pytest.fixture
+def groups(monkeypatch):
+    """The kernel count of each program built, in order; "own": kernels Inductor built alone."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+    seen: list = []
+    made, own = kernel_batches._Group.__init__, CppPythonBindingsCodeCache.load_pybinding_async
+
+    def spy(self, kernels, submit):
+        seen.append(len(kernels))
+        made(self, kernels, submit)
+
+    def own_spy(*args, **kwargs):
+        seen.append("own")
+        return own(*args, **kwargs)
+    monkeypatch.setattr(kernel_batches._Group, "__init__", spy)
+    monkeypatch.setattr(CppPythonBindingsCodeCache, "load_pybinding_async", own_spy)
+    monkeypatch.setattr(kernel_batches, "GROUP", 2)
+    return seen
+
+
+def _compiled(backend):
+    torch._dynamo.reset()
+    return torch.compile(f, backend=backend)
+
+
+def test_leading_includes_are_split_off_and_macros_refused():
+    src = "#include <a.h>\n\n#include <b.h>\nextern \"C\" void kernel() {\n#pragma omp parallel\n{}\n}"
+    head, body = split_includes(src)
+    assert head == ["#include <a.h>", "#include <b.h>"] and body.startswith('extern "C" void kernel()')
+    assert "#pragma omp parallel" in body
+    assert split_includes("#include <a.h>\n#define N 4\nvoid kernel() {}") is None
+    assert split_includes("void kernel() {}\n#include <late.h>") is None
+
+
+def test_a_program_binds_each_kernel_under_its_own_name():
+    text = program([(["const float*", "float*"], '#include <x.h>\nextern "C" void kernel(const float* a, float* b) {}'),
+                    (["int64_t"], '#include <x.h>\nextern "C" void kernel(int64_t n) {}')])
+    assert text.count("#include <x.h>") == 1
+    assert "rewriter_batch_0::kernel_0(parse_arg<float*>(args, 0), parse_arg<float*>(args, 1))" in text
+    assert "rewriter_batch_1::kernel_1(parse_arg<int64_t>(args, 0))" in text
+    assert '{"kernel_1", kernel_1_py, METH_VARARGS, ""}' in text and "PyInit_kernel" in text
+
+
+def test_batched_kernels_compute_what_eager_does_forward_and_backward(groups):
+    want = _run(f)
+    with fresh_inductor_cache():
+        got = _run(_compiled(with_kernel_batches(torch._dynamo.lookup_backend("inductor"))))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)  # fp32, 32-long sums
+    # every kernel, the backward's too (compiled at the first backward), in programs of up to two
+    assert "own" not in groups and len(groups) >= 2 and max(groups) == 2 and sum(groups) > len(groups)
+
+
+def test_a_program_that_fails_to_build_falls_back_to_inductors_own_builds(groups, monkeypatch, caplog):
+    monkeypatch.setattr(kernel_batches, "program", lambda kernels: "this is not C++;\n")
+    want = _run(f)
+    with fresh_inductor_cache(), caplog.at_level(logging.WARNING, logger=kernel_batches.__name__):
+        got = _run(_compiled(with_kernel_batches(torch._dynamo.lookup_backend("inductor"))))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert groups and groups[0] != "own" and "own" in groups and "each is built on its own" in caplog.text
+
+
+def test_inductor_is_left_alone_outside_the_block(groups):
+    kernel_batches._install()  # installed, but not in force
+    want = _run(f)
+    with fresh_inductor_cache():
+        got = _run(_compiled("inductor"))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert groups and set(groups) == {"own"}
+
+
+def test_the_cpu_inductor_executor_batches_its_kernels():
+    (ex,), _ = executors_for(get_backend("cpu"))
+    assert ex.kernel_batches and ex.resolve().__name__ == "inductor"
