@@ -113,3 +113,27 @@ def test_inductor_is_left_alone_outside_the_block(groups):
 def test_the_cpu_inductor_executor_batches_its_kernels():
     (ex,), _ = executors_for(get_backend("cpu"))
     assert ex.kernel_batches and ex.resolve().__name__ == "inductor"
+
+
+def test_a_warm_cache_loads_the_programs_without_building_them(groups, monkeypatch):
+    from torch._inductor import codecache
+    from torch._inductor.cpp_builder import CppBuilder
+    builds: list[str] = []
+    build = CppBuilder.build
+
+    def counted(self, *args, **kwargs):
+        builds.append(self.get_target_file_path())
+        return build(self, *args, **kwargs)
+    monkeypatch.setattr(CppBuilder, "build", counted)
+    backend = with_kernel_batches(torch._dynamo.lookup_backend("inductor"))
+    want = _run(f)
+    with fresh_inductor_cache():
+        _run(_compiled(backend))
+        cold, builds[:], programs = list(builds), [], len(groups)
+        for cache in (codecache.PyCodeCache, codecache.CppPythonBindingsCodeCache):
+            cache.cache_clear()  # this process's loaded modules forgotten: the cache folder remains
+        got = _run(_compiled(backend))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    # built cold; warm, the same programs loaded from the folder, none built
+    assert cold and builds == [] and len(groups) == 2 * programs and "own" not in groups

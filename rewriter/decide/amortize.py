@@ -58,7 +58,9 @@ WARM_FACTOR = 0.25
 # (rewriter.devices.isa_probes; `.diag`-style script: Linear, GELU, LayerNorm, eval, no_grad):
 # 6, 24, 72 and 144 nodes took 6.7, 7.7, 9.9 and 14.7 s; a transformer's decode forward (Qwen2,
 # 3 layers, ~250 nodes, many of them views) took 12.0-12.7 s, under the fit's 21.5 s. Used on
-# every device until the knowledge base has the device's own figure for the same graphs.
+# every device until the knowledge base has the device's own figure for the same graphs. Fitted
+# before Inductor's CPU kernels were built a few to a program (rewriter.devices.kernel_batches:
+# a cold BERT compile's first step 28 -> 21.5 s): left as it was, it errs towards not paying.
 COMPILE_COST = {  # training: (base seconds, seconds per node)
     True: (12.0, 0.21),
     False: (6.5, 0.06),  # inference: forward only

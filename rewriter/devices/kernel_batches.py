@@ -306,6 +306,7 @@ def with_kernel_batches(inductor: Callable[..., Any]) -> Callable[..., Any]:
         def inner_compile(*args: Any, **kw: Any) -> Any:
             with batched_kernels():
                 return inner(*args, **kw)
-        return inductor(gm, example_inputs, **{**kwargs, "inner_compile": inner_compile})
+        with batched_kernels():  # a graph AOTAutograd's cache holds is loaded here, not in inner
+            return inductor(gm, example_inputs, **{**kwargs, "inner_compile": inner_compile})
     compile_graph.__name__ = getattr(inductor, "__name__", "inductor")
     return compile_graph
