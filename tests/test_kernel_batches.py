@@ -110,6 +110,16 @@ def test_inductor_is_left_alone_outside_the_block(groups):
     assert groups and set(groups) == {"own"}
 
 
+def test_an_inductor_whose_api_differs_is_left_alone(groups, monkeypatch):
+    monkeypatch.setattr(kernel_batches, "supported", lambda: False)
+    want = _run(f)
+    with fresh_inductor_cache():
+        got = _run(_compiled(with_kernel_batches(torch._dynamo.lookup_backend("inductor"))))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert groups and set(groups) == {"own"}
+
+
 def test_the_cpu_inductor_executor_batches_its_kernels():
     (ex,), _ = executors_for(get_backend("cpu"))
     assert ex.kernel_batches and ex.resolve().__name__ == "inductor"

@@ -28,6 +28,7 @@ one described here, is left to Inductor.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import threading
@@ -228,6 +229,7 @@ class _Kernel:
         return fn
 
 
+@functools.lru_cache(maxsize=None)
 def supported() -> bool:
     """Whether this Inductor's private API is the one this module was written against."""
     try:
@@ -297,8 +299,9 @@ def batched_kernels() -> Iterator[None]:
 
 def with_kernel_batches(inductor: Callable[..., Any]) -> Callable[..., Any]:
     """``inductor`` (``torch._inductor.compile_fx.compile_fx``, or Dynamo's "inductor" backend)
-    with its CPU kernels batched: through its ``inner_compile``, which AOTAutograd also calls for
-    a backward it compiles later, at the first backward."""
+    with its CPU kernels batched: the call itself (a graph AOTAutograd's cache holds is loaded
+    there) and its ``inner_compile``, which AOTAutograd also calls for a backward it compiles
+    later, at the first backward."""
     def compile_graph(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
         from torch._inductor.compile_fx import compile_fx_inner
         inner = kwargs.get("inner_compile") or compile_fx_inner
@@ -306,7 +309,7 @@ def with_kernel_batches(inductor: Callable[..., Any]) -> Callable[..., Any]:
         def inner_compile(*args: Any, **kw: Any) -> Any:
             with batched_kernels():
                 return inner(*args, **kw)
-        with batched_kernels():  # a graph AOTAutograd's cache holds is loaded here, not in inner
+        with batched_kernels():
             return inductor(gm, example_inputs, **{**kwargs, "inner_compile": inner_compile})
     compile_graph.__name__ = getattr(inductor, "__name__", "inductor")
     return compile_graph
