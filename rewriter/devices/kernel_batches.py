@@ -11,11 +11,10 @@ its ~18 s of g++ time is that fixed part, on two cores.
 While :func:`batched_kernels` is in force (:func:`with_kernel_batches` wraps the backend call
 and Inductor's inner compile in it), each kernel is queued instead; every ``GROUP`` kernels,
 and whatever is queued when the graph's module waits for its kernels (``AsyncCompile.wait``),
-become one program: each kernel's
-source in a namespace of its own, its entry ``kernel`` renamed ``kernel_<i>``, and a Python
-binding for each, written as Inductor writes its one. The program is built by Inductor's own
-code cache (its flags, precompiled header, cache folder, file locks and pool), so a warm cache
-loads it as it loads a kernel. The kernels and their code are Inductor's; only how many go to
+become one program: each kernel's source in a namespace of its own, its entry ``kernel``
+renamed ``kernel_<i>``, and a Python binding for each, written as Inductor writes its one. The
+program is built by Inductor's own code cache (its flags, precompiled header, cache folder,
+file locks and pool), so a warm cache loads it as it loads a kernel. The kernels and their code are Inductor's; only how many go to
 one g++ run changes (the compiled step, interleaved in one process, both ways: LLaMA 1.012x,
 BERT 1.015x, DistilBERT 1.017x, GPT-2 0.986x: the same). Cold BERT's first compiled step, one
 process each, alternating: 28.0 / 28.1 s -> 21.6 / 21.3 s::
