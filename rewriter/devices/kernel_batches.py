@@ -14,10 +14,10 @@ and whatever is queued when the graph's module waits for its kernels (``AsyncCom
 become one program: each kernel's source in a namespace of its own, its entry ``kernel``
 renamed ``kernel_<i>``, and a Python binding for each, written as Inductor writes its one. The
 program is built by Inductor's own code cache (its flags, precompiled header, cache folder,
-file locks and pool), so a warm cache loads it as it loads a kernel. The kernels and their code are Inductor's; only how many go to
-one g++ run changes (the compiled step, interleaved in one process, both ways: LLaMA 1.012x,
-BERT 1.015x, DistilBERT 1.017x, GPT-2 0.986x: the same). Cold BERT's first compiled step, one
-process each, alternating: 28.0 / 28.1 s -> 21.6 / 21.3 s::
+file locks and pool), so a warm cache loads it as it loads a kernel. The kernels and their
+code are Inductor's; only how many go to one g++ run changes (the compiled step, interleaved in
+one process, both ways: LLaMA 1.012x, BERT 1.015x, DistilBERT 1.017x, GPT-2 0.986x: the same).
+Cold BERT's first compiled step, one process each, alternating: 28.0 / 28.1 s -> 21.6 / 21.3 s::
 
     backend = with_kernel_batches(torch._dynamo.lookup_backend("inductor"))
     compiled = torch.compile(model, backend=backend)
