@@ -54,6 +54,9 @@ def groups(monkeypatch):
     monkeypatch.setattr(kernel_batches._Group, "__init__", spy)
     monkeypatch.setattr(CppPythonBindingsCodeCache, "load_pybinding_async", own_spy)
     monkeypatch.setattr(kernel_batches, "GROUP", 2)
+    # Inductor builds in a pool only with two compile threads or more (one core: in line, and
+    # nothing is batched): two here, whatever the machine
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 2)
     return seen
 
 
