@@ -189,7 +189,9 @@ class Report:
                       "|---|---|---|---|---|"]
             for b in self.blocks:
                 graphs = ", ".join(f"{g} ({n})" for g, n in zip(b["graphs"], b["nodes"])) or "-"
-                lines.append(f"| {b['class']} | {b['instances']} | {b['first']} .. {b['last']} | "
+                calls = b.get("calls", b["instances"])  # one instance called again: ALBERT
+                count = f"{b['instances']} ({calls} calls)" if calls != b["instances"] else f"{b['instances']}"
+                lines.append(f"| {b['class']} | {count} | {b['first']} .. {b['last']} | "
                              f"{graphs} | {', '.join(b.get('passes', [])) or 'none'} |")
         lines += ["", "| pass | decision | speedup | max abs error | sites | reason |",
                   "|---|---|---|---|---|---|"]

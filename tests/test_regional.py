@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import rewriter
 from rewriter import Pass, PassContext, Site
-from rewriter.capture.blocks import find_blocks
+from rewriter.capture.blocks import BlockClass, calls_in_one_forward, find_blocks
 from rewriter.capture.install import install
 from rewriter.capture.ir import mark_new_node
 from rewriter.capture.regional import RegionalCapture
@@ -135,6 +135,56 @@ def test_blocks_are_repeated_classes_outermost_with_parameters():
 
     assert [(b.cls, len(b.instances)) for b in find_blocks(Named())] == [(Block, 1)]
     assert find_blocks(Block(4)) == []
+
+
+class SharedStack(nn.Module):
+    """One block, its weights shared by every layer (ALBERT's layout): called ``n`` times. The
+    loop's count is read from the input's shape, which symbolic_trace cannot do (Dynamo can)."""
+
+    def __init__(self, n: int = 3, d: int = 16) -> None:
+        super().__init__()
+        self.block, self.head, self.n = Block(d), nn.Linear(d, 4), n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.n * x.shape[-1] // x.shape[-1]):
+            x = self.block(x)
+        return self.head(x)
+
+
+def test_a_block_called_again_in_one_forward_is_a_block_once_counted():
+    model, x = SharedStack(n=3), torch.randn(8, 16)
+    assert find_blocks(model) == []  # nothing in the structure repeats
+    calls = calls_in_one_forward(model, lambda: model(x))
+    assert calls[id(model.block)] == 3 and calls[id(model.head)] == 1
+    assert not model.block._forward_pre_hooks and not model._forward_pre_hooks  # hooks taken off
+    (b,) = find_blocks(model, calls)
+    assert (b.cls, [n for n, _ in b.instances], b.calls) == (Block, ["block"], 3)
+    assert [b.calls for b in find_blocks(Stack(n=3))] == [3]  # one call an instance, uncounted
+    single = Stack(n=1)
+    for blocks, nests in (([b], True), ([BlockClass(Block, [("blocks.0", single.blocks[0])])], False)):
+        cap = RegionalCapture(model if nests else single, "test", blocks)
+        try:  # one instance, three calls: one nested compile region serves them; one call: none
+            assert cap.nests is nests
+        finally:
+            cap.remove()
+
+
+def test_a_block_shared_by_every_layer_is_decided_once_and_runs_at_every_call():
+    torch.manual_seed(0)
+    model, x = SharedStack(n=3).eval(), torch.randn(8, 16)
+    want = model(x)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = _opt(model, (x,), regional="auto")
+    assert fast.report.front_end == "regional", fast.report.front_end_reason
+    assert "counted in one forward" in fast.report.front_end_reason
+    (row,) = fast.report.blocks
+    assert (row["class"], row["instances"], row["calls"]) == ("Block", 1, 3)
+    assert "| Block | 1 (3 calls) |" in fast.report.to_markdown()
+    assert _decision(fast).regions[0]["sites"] == 3  # the block's one site, run 3 times
+    assert _calls(lambda: torch.testing.assert_close(fast(x), want)) == 3
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, state[k], rtol=0, atol=0)
+    fast.restore()
 
 
 # --- installing ----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from rewriter.capture.blocks import find_blocks
+from rewriter.capture.blocks import calls_in_one_forward, find_blocks
 from rewriter.capture.front_ends import Capture, DynamoCapture, FxCapture, capture
 from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.job import switched
@@ -66,24 +66,39 @@ class CaptureStage:
         regional, model = self.settings.regional, self.job.model
         if regional is False or self.settings.front_end == "fx":
             return None
-        blocks = find_blocks(model)
+        blocks, counted = find_blocks(model), False
+        if not blocks and (regional is True or not _traces_whole(model)):
+            blocks, counted = find_blocks(model, self._calls_in_one_forward()), True
         if not blocks:
             if regional is True:
                 self.report.notes.append("regional=True, but the model has no repeated block: "
                                          "the whole model was captured")
             return None
-        names = ", ".join(f"{b.name} x{len(b.instances)}" for b in blocks)
+        names = ", ".join(f"{b.name} x{len(b.instances)}" + (f" ({b.calls} calls)" if b.calls != len(b.instances)
+                                                             else "") for b in blocks)
         if regional is True:
             why = f"regional=True: blocks {names}"
+        elif counted:
+            why = f"blocks {names}, counted in one forward; symbolic_trace does not capture the whole model"
         elif getattr(model, "_no_split_modules", None):
             why = f"blocks {names} (the model's _no_split_modules)"
+        elif _traces_whole(model):
+            return None  # traces whole: the fx front-end's readable graph
         else:
-            try:
-                torch.fx.symbolic_trace(model)
-                return None  # traces whole: the fx front-end's readable graph
-            except Exception:
-                why = f"blocks {names}; symbolic_trace does not capture the whole model"
+            why = f"blocks {names}; symbolic_trace does not capture the whole model"
         return RegionalCapture(model, why, blocks, dynamic_lengths=self.job.generation is not None)
+
+    def _calls_in_one_forward(self) -> dict[int, int]:
+        """Each submodule's forward calls in one forward on the example inputs (a module run
+        twice or more is a block: rewriter.capture.blocks); the model's state as it was after.
+        A forward that raises counts nothing: the whole model is captured, as without blocks."""
+        try:
+            return calls_in_one_forward(self.job.model, lambda: self.job.call(self.job.model))
+        except Exception as e:
+            log.debug("rewriter: counting the modules' calls raised %s: %s", type(e).__name__, e)
+            return {}
+        finally:
+            self.snapshot.restore()
 
     def _require_stable_graphs(self, cap: DynamoCapture) -> None:
         """A second call on the same inputs must reuse the graphs. If Dynamo compiles again, its
@@ -124,4 +139,10 @@ class CaptureStage:
         return "" if c.ok else c.problem
 
 
-
+def _traces_whole(model: torch.nn.Module) -> bool:
+    """Whether torch.fx.symbolic_trace captures ``model`` whole (the fx front-end's graph)."""
+    try:
+        torch.fx.symbolic_trace(model)
+        return True
+    except Exception:
+        return False

@@ -253,7 +253,7 @@ class DynamoCapture(Capture):
         name = prefix + f"graph_{sum(s.block == getattr(block, 'name', None) for s in self.slots)}"
         slot = GraphSlot(gm, self.switch, name)
         if block is not None:
-            slot.block, slot.calls = block.name, len(block.instances)
+            slot.block, slot.calls = block.name, block.calls
         slot.compiler = getattr(self, "graph_compiler", None)  # regional compile: every graph
         self.slots.append(slot)
         log.debug("dynamo handed over %s with %d nodes", slot.name, len(gm.graph.nodes))

@@ -165,7 +165,7 @@ class RegionalCapture(DynamoCapture):
     @property
     def nests(self) -> bool:
         """Whether ``lifted(nest=True)`` traces some block as one nested compile region a class."""
-        return any(len(b.instances) > 1 for b in self.blocks)
+        return any(b.calls > 1 for b in self.blocks)
 
     def lift_for_good(self, nest: bool = False) -> None:
         """The state :meth:`lifted` makes, from now on: the compiled original model runs (its
@@ -196,7 +196,7 @@ class RegionalCapture(DynamoCapture):
         rows = []
         for b in self.blocks:
             mine = [s for s in self.slots if s.block == b.name]
-            rows.append({"class": b.name, "instances": len(b.instances),
+            rows.append({"class": b.name, "instances": len(b.instances), "calls": b.calls,
                          "first": b.instances[0][0], "last": b.instances[-1][0],
                          "graphs": [s.name for s in mine],
                          "nodes": [len(s.original.graph.nodes) for s in mine],
@@ -206,13 +206,14 @@ class RegionalCapture(DynamoCapture):
 
 def _nested_instances(blocks: list[Any], flagged: list[nn.Module]) -> list[nn.Module]:
     """The instances a trace of the original model calls as one nested compile region a class
-    (``torch.compiler.nested_compile_region``, rewriter.capture.install): those of a block with
-    two or more, where a whole trace compiles each instance again. bf16 autocast training, 4
+    (``torch.compiler.nested_compile_region``, rewriter.capture.install): those of a block called
+    twice or more in a forward (two instances or more, or one called again: ALBERT's shared
+    layer group), where a whole trace compiles each call again. bf16 autocast training, 4
     layers, a cold process each, 2-core Xeon with AMX (the README's figures; `python -m
     benchmarks.layer_compile --bf16 --forms whole nested`): the first compiled step GPT-2 36.7 ->
     31.7 s, BERT 28.4 -> 26.7 s, DistilBERT 28.7 -> 26.7 s; the steps level."""
     live = {id(m) for m in flagged}
-    return [m for b in blocks if len(b.instances) > 1 for _, m in b.instances if id(m) in live]
+    return [m for b in blocks if b.calls > 1 for _, m in b.instances if id(m) in live]
 
 
 # Graphs one block class may have (signatures: train/eval, grad mode, prefill and decode shapes);
