@@ -3,6 +3,7 @@
     python -m benchmarks.families --out benchmarks                  # ~6 min on 2 cores
     python -m benchmarks.families --dtype bf16 --out /tmp/f         # with optimize(dtype=bf16)
     python -m benchmarks.families --checkpointing --only LlamaConfig,GPT2Config
+    python -m benchmarks.families --dtype bf16 --steps 20000 --out /tmp/f  # a long run: the compile paths
 
 Each family is built from a tiny config (2 layers, hidden 128, vocabulary 1000, random weights,
 transformers' own defaults otherwise: dropout where the family has it) and trained: optimize()
@@ -76,7 +77,7 @@ def _blocks(report: Any) -> str:
                      for b in report.blocks) or "-"
 
 
-def train_row(name: str, dtype: torch.dtype | None, checkpointing: bool) -> dict:
+def train_row(name: str, dtype: torch.dtype | None, checkpointing: bool, steps: int | None = None) -> dict:
     import rewriter
     model = build(name, checkpointing)
     ids = torch.randint(0, COMMON["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(1))
@@ -85,7 +86,9 @@ def train_row(name: str, dtype: torch.dtype | None, checkpointing: bool) -> dict
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     started = time.perf_counter()
     fast, opt = rewriter.optimize(model, inputs, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                  dtype=dtype, progress=False, knowledge_base=False, time_budget=30)
+                                  dtype=dtype, progress=False, knowledge_base=False, steps=steps,
+                                  # a long run: optimize()'s own budget, which a compile may use
+                                  **({} if steps else {"time_budget": 30}))
     seconds = time.perf_counter() - started
     r = fast.report
     worst = 0.0
@@ -102,6 +105,7 @@ def train_row(name: str, dtype: torch.dtype | None, checkpointing: bool) -> dict
     return {"capture": r.front_end, "why": r.front_end_reason, "graphs": r.graphs, "blocks": _blocks(r),
             "kept": r.kept_passes, "failed": [f"{d.pass_name}: {d.reason}" for d in r.decisions
                                               if "fail" in d.status],
+            "compile": [f"{d.status}: {d.reason}" for d in r.decisions if d.pass_name == "compile"],
             "whole_step": r.final.get("reason", ""), "optimize_s": round(seconds, 1),
             "max_loss_difference": worst, "notes": list(r.notes)}
 
@@ -123,12 +127,13 @@ def generate_row(name: str, dtype: torch.dtype | None) -> dict:
             "generate_kept": fast.report.kept_passes}
 
 
-def run(names: Sequence[str], dtype: torch.dtype | None, checkpointing: bool) -> list[dict]:
+def run(names: Sequence[str], dtype: torch.dtype | None, checkpointing: bool,
+        steps: int | None = None) -> list[dict]:
     rows = []
     for name in names:
         row: dict = {"family": name.removesuffix("Config")}
         try:
-            row.update(train_row(name, dtype, checkpointing))
+            row.update(train_row(name, dtype, checkpointing, steps))
             if name not in MASKED_LM and not checkpointing:
                 row.update(generate_row(name, dtype))
             row["error"] = None
@@ -154,6 +159,10 @@ def markdown(result: dict) -> str:
                      f"{', '.join(r['kept']) or '-'} | {'; '.join(f[:120] for f in r['failed']) or '-'} | "
                      f"{r['max_loss_difference']:.1e} | {r.get('generate_tokens_equal', '-')} | "
                      f"{r['optimize_s']} |")
+    compiles = [r for r in result["rows"] if not r["error"] and r.get("compile")
+                and not any(c.startswith("kept") for c in r["compile"])]
+    if compiles:  # --steps: where a compile was weighed and not kept, why
+        lines += ["", "Compile not kept: " + "; ".join(f"{r['family']}: {r['compile'][-1][:300]}" for r in compiles)]
     whole = [r for r in result["rows"] if not r["error"] and r["capture"] != "regional"]
     if whole:
         lines += ["", "Captured whole, and why: " + "; ".join(f"{r['family']}: {r['why']}"
@@ -167,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--checkpointing", action="store_true", help="transformers' gradient checkpointing on")
     p.add_argument("--only", help="comma-separated config class names (default: all)")
+    p.add_argument("--steps", type=int, help="optimize(steps=N) in training: the run's length, so a "
+                                             "compile is weighed (and, where it repays, paid)")
     p.add_argument("--out", help="folder for FAMILIES.md and families.json")
     args = p.parse_args(argv)
     names = args.only.split(",") if args.only else list(FAMILIES)
@@ -174,15 +185,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
     dtype = torch.bfloat16 if args.dtype == "bf16" else None
-    rows = run(names, dtype, args.checkpointing)
+    rows = run(names, dtype, args.checkpointing, args.steps)
     command = "python -m benchmarks.families" + (" --dtype bf16" if dtype else "") + \
-        (" --checkpointing" if args.checkpointing else "") + (f" --only {args.only}" if args.only else "")
+        (" --checkpointing" if args.checkpointing else "") + (f" --steps {args.steps}" if args.steps else "") + \
+        (f" --only {args.only}" if args.only else "")
     what = (f"Training: optimize() with AdamW{' and dtype=bf16' if dtype else ''}"
+            f"{f', steps={args.steps}' if args.steps else ''}"
             f"{', gradient checkpointing on' if args.checkpointing else ''}, then {STEPS} steps beside "
             f"an untouched copy (same seeds). Generation: {NEW_TOKENS} greedy tokens after a 1x12 prompt.")
     result = {"command": command, "machine": machine_info(), "what": what, "rows": rows}
     text = markdown(result)
-    stem = "families" + ("_bf16" if dtype else "") + ("_checkpointing" if args.checkpointing else "")
+    stem = "families" + ("_bf16" if dtype else "") + ("_checkpointing" if args.checkpointing else "") + \
+        (f"_steps{args.steps}" if args.steps else "")
     write_result(args.out, stem, result, text)
     return 1 if any(r["error"] for r in rows) else 0
 

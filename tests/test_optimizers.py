@@ -192,3 +192,22 @@ def test_the_numerics_check_runs_on_capped_copies_and_still_catches_a_wrong_upda
         [{**g, "lr": g["lr"] * 2} for g in groups]))
     ok, detail, _ = optimizer_gate.optimizer_numerics(opt, lr_off)
     assert not ok and "param 0" in detail
+
+
+def test_the_numerics_check_holds_the_update_not_the_parameter_to_the_bar():
+    """A fused kernel's step size rounds in fp32 (Adam's bias correction: ~1e-5 of the update):
+    that passes on a bias that starts at zero, where the update is the whole value (the old
+    bar, 1e-5 of the parameter, failed it); a step size 1e-3 off fails on the weights."""
+    from rewriter.decide import optimizer_gate
+    from rewriter.devices import optimizers
+    torch.manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(64, 32) * 0.02), torch.nn.Parameter(torch.zeros(64))
+    opt = torch.optim.AdamW([weight, bias], lr=1e-4, foreach=False)
+
+    def lr_times(f: float) -> optimizers.OptimizerCandidate:
+        return optimizers.OptimizerCandidate(f"AdamW, lr x {f}", factory=lambda groups: torch.optim.AdamW(
+            [{**g, "lr": g["lr"] * f} for g in groups]))
+    ok, detail, _ = optimizer_gate.optimizer_numerics(opt, lr_times(1 + 3e-5))
+    assert ok, detail
+    ok, detail, _ = optimizer_gate.optimizer_numerics(opt, lr_times(1 + 1e-3))
+    assert not ok and "elements off" in detail, detail

@@ -30,9 +30,16 @@ from rewriter.decide.verify import Tolerance, compare_runs
 from rewriter.devices import optimizers
 from rewriter.report import Decision
 
-# The bar for a fused optimizer: 5 steps within 1e-5 of the original's parameters.
+# The bar for a fused optimizer: 5 steps whose updates (the parameters' change) are within 1e-4
+# of the original's, element by element and of the tensor's largest update. On the update, not on
+# the parameters: a fused kernel computes the step size in fp32 (Adam's 1 - 0.999**t rounds to a
+# relative 1.3e-5 at t=1), so its update differs from the for-loop's by ~1e-5 of the update,
+# whatever the parameter's size: XLM-R's head bias, zero at the start, was failed now and then at
+# 1e-5 of the parameters (880 of 8000 elements, 3.2e-8 off values of 5e-4 after 5 steps of lr
+# 1e-4), while a weight of 0.02 was held to 2e-7, 40% of its whole update. A wrong update (another
+# learning rate, a missing term) is off by a share of the update itself.
 OPTIMIZER_STEPS = 5
-OPTIMIZER_TOLERANCE = Tolerance(rtol=1e-5, atol_scale=1e-6)
+OPTIMIZER_TOLERANCE = Tolerance(rtol=1e-4, atol_scale=1e-4)
 # Those 5 steps run on each parameter's first rows, 2**18 elements or more: an update is
 # elementwise, and 2**18 spans several of the fused kernels' chunks (65 536 elements on CUDA).
 # A 32 000 x 256 embedding and head took 1.5 s of a 12 s budget copied and stepped whole.
@@ -132,12 +139,14 @@ def optimizer_numerics(optimizer, cand: optimizers.OptimizerCandidate, only: Col
     try:
         base, base_params = optimizers.scratch_optimizer(optimizer, None, only=only, max_numel=NUMERICS_MAX_NUMEL)
         fused, fused_params = optimizers.scratch_optimizer(optimizer, cand, only=only, max_numel=NUMERICS_MAX_NUMEL)
+        start = [p.detach().clone() for p in base_params]  # the fused copies start the same
         for _ in range(OPTIMIZER_STEPS):
             base.step()
             fused.step()
     except Exception as e:
         return False, f"raised: {type(e).__name__}: {e}", None
-    got = {f"param {i}": p.detach() for i, p in enumerate(fused_params)}
-    want = {f"param {i}": p.detach() for i, p in enumerate(base_params)}
+    # the updates, in fp64: a difference of fp32 parameters is exact there
+    got = {f"param {i}": p.detach().double() - p0.double() for i, (p, p0) in enumerate(zip(fused_params, start))}
+    want = {f"param {i}": p.detach().double() - p0.double() for i, (p, p0) in enumerate(zip(base_params, start))}
     c = compare_runs(got, want, OPTIMIZER_TOLERANCE)
     return c.ok, c.describe(), c.max_abs_error
