@@ -7,13 +7,12 @@ checkpointing the region is the checkpointed forward, never around the checkpoin
 gave wrong gradients under Inductor, torch 2.13)."""
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
 import torch.nn as nn
 
-from rewriter.capture.blocks import find_blocks
+from rewriter.capture.blocks import BlockClass, find_blocks
 from rewriter.capture.install import FLAG, NESTED
 from rewriter.capture.regional import RegionalCapture, _nested_instances
 from rewriter.devices.compiled_loss import CACHEABLE
@@ -74,11 +73,12 @@ def test_lifted_traces_every_instance_of_a_block_as_one_region_and_puts_everythi
         cap.remove()
 
 
-def test_a_block_of_one_instance_is_not_nested():
-    one, two, three = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
-    blocks = [types.SimpleNamespace(instances=[("head", one)]),
-              types.SimpleNamespace(instances=[("layers.0", two), ("layers.1", three)])]
-    assert _nested_instances(blocks, [one, two, three]) == [two, three]
+def test_a_block_of_one_instance_called_once_is_not_nested():
+    one, two, three, shared = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    blocks = [BlockClass(nn.Linear, [("head", one)]),
+              BlockClass(nn.Linear, [("layers.0", two), ("layers.1", three)]),
+              BlockClass(nn.Linear, [("shared", shared)], calls=4)]  # one instance, four calls
+    assert _nested_instances(blocks, [one, two, three, shared]) == [two, three, shared]
     assert _nested_instances(blocks, [one, three]) == [three]  # only what lifted() turned off
 
 

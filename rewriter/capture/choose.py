@@ -140,9 +140,15 @@ class CaptureStage:
 
 
 def _traces_whole(model: torch.nn.Module) -> bool:
-    """Whether torch.fx.symbolic_trace captures ``model`` whole (the fx front-end's graph)."""
+    """Whether torch.fx.symbolic_trace captures ``model`` whole (the fx front-end's graph). The
+    trace stores each tensor constant it meets on the module it traces (``_tensor_constant0``,
+    ...): those attributes are taken off the model again."""
+    before = set(vars(model))
     try:
         torch.fx.symbolic_trace(model)
         return True
     except Exception:
         return False
+    finally:
+        for name in set(vars(model)) - before:
+            delattr(model, name)
