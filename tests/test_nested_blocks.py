@@ -7,7 +7,6 @@ checkpointing the region is the checkpointed forward, never around the checkpoin
 gave wrong gradients under Inductor, torch 2.13)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn as nn
