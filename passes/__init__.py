@@ -23,6 +23,7 @@ PASS_MODULES = (
     "fuse_cross_entropy",
     "fuse_one_hot",
     "fuse_linear",
+    "onednn_linear",
     "reuse_linear_output",
     "fuse_confusion_transpose",
     "fold_batch_norm",
