@@ -1,9 +1,11 @@
 """onednn_linear: an fp32 ``F.linear`` on CPU run by oneDNN instead of MKL, its backward too.
 
-A rule table (``rewriter.rules``; ``w`` 2-D (out, in), ``b`` 1-D (out,) or absent)::
+A rule table (``rewriter.rules``; ``w`` 2-D (out, in), ``v`` 2-D (in, out), ``b`` 1-D (out,))::
 
-    F.linear(x, w, b)   ->  onednn_linear.linear(x, w, b)      (x, w, b fp32)
-    F.linear(x, w)      ->  onednn_linear.linear(x, w)
+    F.linear(x, w, b)       ->  onednn_linear.linear(x, w, b)       (x, w, v, b fp32)
+    F.linear(x, w)          ->  onednn_linear.linear(x, w)
+    torch.addmm(b, x, v)    ->  onednn_linear.linear(x, v.t(), b)   (GPT-2's Conv1D; beta = alpha = 1)
+    torch.matmul(x, v)      ->  onednn_linear.linear(x, v.t())      (x @ v; torch.mm alike)
 
 Stock torch hands an fp32 linear on CPU to MKL's sgemm, which chooses its kernels by the CPU it
 finds. On a 2-core AMD EPYC with AVX-512 (family 26, torch 2.13) that sgemm runs at ~200
@@ -14,8 +16,8 @@ may be level and the gate does not keep it. The three GEMMs are custom ops
 (:mod:`rewriter.devices.onednn_linear`), so a compile of the rewritten graph keeps them; the
 compiler cannot make this rewrite itself, so a regional compile keeps it too.
 
-Safe when: CPU, oneDNN in the build and enabled; ``x``, ``w`` (and ``b``) fp32, ``w`` 2-D of
-``x``'s width, ``b`` of ``w``'s rows. At run time anything else (bf16 under autocast or after
+Safe when: CPU, oneDNN in the build and enabled; ``x``, the weight (and ``b``) fp32, the weight
+2-D of ``x``'s width, ``b`` of its outputs. At run time anything else (bf16 under autocast or after
 ``cast_to_half``, an empty batch) is F.linear, unchanged.
 Contract: exact (the same products, summed in oneDNN's order: fp32 rounding differences).
 Devices: cpu.
@@ -38,31 +40,57 @@ def linear_pattern(x, w):
     return F.linear(x, w)
 
 
+def addmm_pattern(x, v, b):
+    return torch.addmm(b, x, v)
+
+
+def matmul_pattern(x, v):
+    return torch.matmul(x, v)
+
+
+def mm_pattern(x, v):
+    return torch.mm(x, v)
+
+
+def _in_out(m: Match) -> tuple[int, int] | None:
+    """(in, out) features of the match's weight: ``w`` is (out, in), ``v`` (in, out)."""
+    if "w" in m.values:
+        wi = m.info("w")
+        return None if wi is None or wi.ndim != 2 else (wi.shape[1], wi.shape[0])
+    vi = m.info("v")
+    return None if vi is None or vi.ndim != 2 else tuple(vi.shape)
+
+
 def is_fp32_linear(m: Match) -> bool:
-    """fp32 ``x`` of ``w``'s width, ``w`` 2-D, ``b`` (if any) fp32 of ``w``'s rows."""
-    xi, wi = m.info("x"), m.info("w")
-    if xi is None or wi is None or xi.ndim < 1 or wi.ndim != 2 or xi.shape[-1] != wi.shape[1]:
+    """fp32 ``x`` of the weight's input width, the weight 2-D, ``b`` (if any) fp32 of its outputs."""
+    xi, io = m.info("x"), _in_out(m)
+    if xi is None or io is None or xi.ndim < 1 or xi.shape[-1] != io[0]:
         return False
-    if xi.dtype != torch.float32 or wi.dtype != torch.float32:
+    weight = m.info("w" if "w" in m.values else "v")
+    if xi.dtype != torch.float32 or weight.dtype != torch.float32:
         return False
     if "b" in m.values:
         b = m.info("b")
-        return b is not None and b.shape == (wi.shape[0],) and b.dtype == torch.float32
+        return b is not None and b.shape == (io[1],) and b.dtype == torch.float32
     return True
 
 
 def _onednn(g, m: Match, ctx):
-    return g.call_function(linear, (m["x"], m["w"]) + ((m["b"],) if "b" in m.values else ()))
+    weight = m["w"] if "w" in m.values else g.call_method("t", (m["v"],))
+    return g.call_function(linear, (m["x"], weight) + ((m["b"],) if "b" in m.values else ()))
 
 
 def _describe(m: Match) -> str:
-    out, inp = m.info("w").shape
+    inp, out = _in_out(m)
     return f"linear {inp}->{out}"
 
 
 RULES = (  # with the bias first: it claims the call before the bare rule can
     Rule("onednn_linear", linear_bias_pattern, _onednn, (is_fp32_linear,), describe=_describe),
     Rule("onednn_linear", linear_pattern, _onednn, (is_fp32_linear,), describe=_describe),
+    Rule("onednn_linear", addmm_pattern, _onednn, (is_fp32_linear,), describe=_describe),
+    Rule("onednn_linear", matmul_pattern, _onednn, (is_fp32_linear,), describe=_describe),
+    Rule("onednn_linear", mm_pattern, _onednn, (is_fp32_linear,), describe=_describe),
 )
 
 

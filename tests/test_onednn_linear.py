@@ -55,6 +55,21 @@ def test_transposed_views_and_an_input_without_grad():
     torch.testing.assert_close(w.grad.double(), w64.grad, **_bar(32))
 
 
+@pytest.mark.parametrize("shape", [(6, 16), (2, 3, 16)])
+def test_the_output_may_be_modified_in_place_under_autograd(shape):
+    """Falcon adds its bias in place to a linear's output."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(*shape), torch.randn(8, 16, requires_grad=True), torch.randn(8)
+    y = dnn.linear(x, w)
+    y += b
+    y.sum().backward()
+    w64 = w.detach().double().requires_grad_()
+    want = F.linear(x.double(), w64) + b.double()
+    want.sum().backward()
+    torch.testing.assert_close(y.double(), want, **_bar(16))
+    torch.testing.assert_close(w.grad.double(), w64.grad, **_bar(6))
+
+
 @pytest.mark.parametrize("case", ["bf16", "float64", "empty", "shape"])
 def test_what_onednn_does_not_take_is_f_linear_unchanged(case):
     torch.manual_seed(0)
@@ -122,6 +137,32 @@ def test_the_pass_rewrites_each_fp32_linear(front_end):
     want_out, want_grads = outputs_and_grads(model, (x,), params)
     torch.testing.assert_close(got_out, want_out, **_bar(64))
     torch.testing.assert_close(got_grads, want_grads, **_bar(40))
+
+
+class Conv1DStyle(nn.Module):
+    """GPT-2's Conv1D (``addmm(b, x, v)``, ``v`` stored (in, out)) and a bare ``x @ v``."""
+
+    def __init__(self):
+        super().__init__()
+        self.v1, self.b1 = nn.Parameter(torch.randn(32, 48) * 0.1), nn.Parameter(torch.randn(48))
+        self.v2 = nn.Parameter(torch.randn(48, 16) * 0.1)
+
+    def forward(self, x):
+        h = torch.addmm(self.b1, x.reshape(-1, 32), self.v1)
+        return torch.tanh(h) @ self.v2
+
+
+def test_the_pass_rewrites_addmm_and_matmul_by_a_stored_in_out_weight():
+    torch.manual_seed(0)
+    model, x = Conv1DStyle(), torch.randn(3, 7, 32)
+    cap, sites = rewrite(model, (x,), "onednn_linear", training=True)
+    assert sorted(s.description.split(": ")[1] for s in sites) == ["linear 32->48", "linear 48->16"]
+    assert "addmm" not in code(cap) and "matmul" not in code(cap)
+    params = list(model.parameters())
+    got_out, got_grads = outputs_and_grads(cap, (x,), params)
+    want_out, want_grads = outputs_and_grads(model, (x,), params)
+    torch.testing.assert_close(got_out, want_out, **_bar(48))
+    torch.testing.assert_close(got_grads, want_grads, **_bar(48))
 
 
 def test_no_site_in_float64_and_none_with_onednn_disabled():

@@ -44,49 +44,51 @@ def _onednn(x2: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")
 
 
+# The ops take and return 2-D tensors: a custom op's output must not be a view (autograd would
+# refuse an in-place op on it, as Falcon's ``x += bias`` does), so the reshapes are outside.
 @torch.library.custom_op(f"{_NAMESPACE}::onednn_linear", mutates_args=())
-def _linear_op(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    return _onednn(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])
+def _linear_op(x2: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+    return _onednn(x2, w, b)
 
 
 @_linear_op.register_fake
-def _(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    return x.new_empty((*x.shape[:-1], w.shape[0]))
+def _(x2: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+    return x2.new_empty((x2.shape[0], w.shape[0]))
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::onednn_linear_grad_input", mutates_args=())
-def _grad_input(g: Tensor, w: Tensor) -> Tensor:
-    """``g @ w``: a linear whose weight is ``w``'s transposed view."""
-    return _onednn(g.reshape(-1, g.shape[-1]), w.t(), None).view(*g.shape[:-1], w.shape[1])
+def _grad_input(g2: Tensor, w: Tensor) -> Tensor:
+    """``g2 @ w``: a linear whose weight is ``w``'s transposed view."""
+    return _onednn(g2, w.t(), None)
 
 
 @_grad_input.register_fake
-def _(g: Tensor, w: Tensor) -> Tensor:
-    return g.new_empty((*g.shape[:-1], w.shape[1]))
+def _(g2: Tensor, w: Tensor) -> Tensor:
+    return g2.new_empty((g2.shape[0], w.shape[1]))
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::onednn_linear_grad_weight", mutates_args=())
-def _grad_weight(g: Tensor, x: Tensor) -> Tensor:
-    """``g^T @ x`` over every token: a linear of ``g``'s transposed view by ``x``'s."""
-    return _onednn(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]).t(), None)
+def _grad_weight(g2: Tensor, x2: Tensor) -> Tensor:
+    """``g2^T @ x2`` over every token: a linear of ``g2``'s transposed view by ``x2``'s."""
+    return _onednn(g2.t(), x2.t(), None)
 
 
 @_grad_weight.register_fake
-def _(g: Tensor, x: Tensor) -> Tensor:
-    return g.new_empty((g.shape[-1], x.shape[-1]))
+def _(g2: Tensor, x2: Tensor) -> Tensor:
+    return g2.new_empty((g2.shape[1], x2.shape[1]))
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-    x, w, b = inputs
-    ctx.save_for_backward(x, w)
+    x2, w, b = inputs
+    ctx.save_for_backward(x2, w)
     ctx.has_bias = b is not None
 
 
-def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-    x, w = ctx.saved_tensors
-    gx = _grad_input(grad, w) if ctx.needs_input_grad[0] else None
-    gw = _grad_weight(grad, x) if ctx.needs_input_grad[1] else None
-    gb = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+def _backward(ctx: Any, g2: Tensor) -> tuple[Tensor | None, ...]:
+    x2, w = ctx.saved_tensors
+    gx = _grad_input(g2, w) if ctx.needs_input_grad[0] else None
+    gw = _grad_weight(g2, x2) if ctx.needs_input_grad[1] else None
+    gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return gx, gw, gb
 
 
@@ -106,4 +108,6 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     """``F.linear(x, w, b)``, by oneDNN for fp32 CPU tensors (module docstring), else F.linear."""
     if not runs_on_onednn(x, w, b):
         return F.linear(x, w, b)
-    return _linear_op(x, w, b)
+    if x.ndim == 2:
+        return _linear_op(x, w, b)
+    return _linear_op(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])
