@@ -101,6 +101,7 @@ class OneDnnLinear(RulePass):
     rules = RULES
     # the GEMM stays, in another library: half of it at most (the EPYC above: ~2x)
     saves_at_most = 0.5
+    full_precision_only = True  # under cast_to_half its linears are half: F.linear at run time
 
     def applies_to(self, ctx: PassContext) -> str | None:
         return super().applies_to(ctx) or unavailable()

@@ -88,6 +88,9 @@ class Pass:
     # hottest first (rewriter.decide.hot_first) by their regions' time times this. 1: the
     # region can vanish; reuse_linear_output keeps its GEMM and saves only the fresh pages.
     saves_at_most: ClassVar[float] = 1.0
+    # Rewrites fp32 ops only (onednn_linear: fp32 GEMMs): not tried while a kept or speculated
+    # precision pass runs the graphs in half, where it would only be measured doing nothing.
+    full_precision_only: ClassVar[bool] = False
 
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
         raise NotImplementedError(f"{type(self).__name__}.find")

@@ -352,8 +352,8 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
             self._set_overlay([])
         self._decide_each(precision)
         if speculate and not any(kp.pass_.sets_precision for kp in self.kept) \
-                and any(d.regions or d.kept for d in self.report.decisions if d.pass_name in
-                        {p.name for p in others}):
+                and any(d.regions or d.kept or d.pass_name in self._set_aside_for_precision
+                        for d in self.report.decisions if d.pass_name in {p.name for p in others}):
             log.info("rewriter: %s was not kept: deciding the other passes again at full precision",
                      speculate[0].name)
             redo = {p.name for p in others}
@@ -423,7 +423,7 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         return out
 
     def _try(self, p: Pass) -> Decision:
-        why_not = p.applies_to(self.ctx)
+        why_not = p.applies_to(self.ctx) or self._not_in_precision(p)
         if why_not:
             return Decision(p.name, False, "not applicable", why_not, scope=p.scope)
         cap = self.cap

@@ -601,6 +601,35 @@ def test_a_rejected_precision_sends_the_other_passes_back_to_full_precision(bloc
     assert fast.report.kept_passes == ["a"]
 
 
+class Fp32OnlyRelu(RewriteRelu):
+    full_precision_only = True  # as onednn_linear: a no-op once the graphs run in half
+
+
+def test_a_full_precision_only_pass_is_not_tried_under_a_kept_precision():
+    torch.manual_seed(0)
+    model, x = Blocks(n=4).eval(), torch.randn(8, 16)
+    clock = ControlledClock({"fp32": 0.5, "cast_to_half": 0.5})
+    fast = _opt(model, (x,), [Fp32OnlyRelu("fp32"), "cast_to_half"], clock, dtype=torch.bfloat16,
+                device=Bf16Cpu())
+    assert _decision(fast, "cast_to_half").kept
+    d = _decision(fast, "fp32")
+    assert not d.kept and d.status == "not applicable" and "fp32 ops only" in d.reason
+    assert _region_samples(clock, "fp32") == 0  # never measured
+
+
+def test_a_rejected_precision_sends_a_full_precision_only_pass_back_to_be_decided():
+    """No other pass had regions under the speculated precision: it is decided again all the same."""
+    torch.manual_seed(0)
+    model, x = Blocks(n=4).eval(), torch.randn(8, 16)
+    clock = ControlledClock({"fp32": 0.5, "cast_to_half": 2.0})
+    fast = _opt(model, (x,), [Fp32OnlyRelu("fp32"), "cast_to_half"], clock, dtype=torch.bfloat16,
+                device=Bf16Cpu())
+    assert not _decision(fast, "cast_to_half").kept
+    d = _decision(fast, "fp32")
+    assert d.kept and d.regions[0]["ran_in"] == "float32"
+    assert fast.report.kept_passes == ["fp32"]
+
+
 def test_a_cpu_without_native_bf16_declines_precision_lowering_with_the_reason(monkeypatch, blocks):
     import rewriter.devices.backends as backends
     monkeypatch.setattr(backends, "cpu_has_native_bf16", lambda: False)

@@ -41,6 +41,8 @@ log = logging.getLogger("rewriter.progress")
 class RegionDecisions:
     """Run's methods that decide a site-scope pass region signature by region signature."""
 
+    _set_aside_for_precision: frozenset[str] = frozenset()  # see _not_in_precision
+
     def _regions(self, p: Pass, sites: dict[str, list],
                  require_sites: bool = True) -> tuple[list[tuple[GraphSlot, Region]] | None, str]:
         found: list[tuple[GraphSlot, Region]] = []
@@ -164,6 +166,15 @@ class RegionDecisions:
         speculative = getattr(self, "_speculative", False)
         if (speculative or any(kp.pass_.sets_precision for kp in self.kept)) and self.job.dtype is not None:
             return str(self.job.dtype).replace("torch.", "")
+        return None
+
+    def _not_in_precision(self, p: Pass) -> str | None:
+        """Why ``p`` is not tried in the precision the graphs run in now, or None; noted in
+        ``_set_aside_for_precision``, so that a speculated precision pass not kept has it
+        decided again at full precision."""
+        if p.full_precision_only and (dtype := self._precision()) is not None:
+            self._set_aside_for_precision = self._set_aside_for_precision | {p.name}
+            return f"rewrites fp32 ops only; the graphs run in {dtype} now (the precision pass)"
         return None
 
     def _decide_signature(self, p: Pass, sig: str, members: list[tuple[GraphSlot, Region]],
