@@ -19,6 +19,7 @@ The matcher and the spellings it absorbs: :mod:`rewriter.rule_matcher`.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
@@ -165,14 +166,20 @@ class RulePass(Pass):
 
     def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
         g = gm.graph
+        # a wildcard bound to an earlier site's root (linear(linear(x))) reads its replacement
+        replaced: dict[Node, Node] = {}
         for site in sites:
             m: Match = site.match
+            if any(isinstance(v, Node) and v in replaced for v in m.values.values()):
+                m = dataclasses.replace(m, values={k: replaced.get(v, v) if isinstance(v, Node) else v
+                                                   for k, v in m.values.items()})
             with g.inserting_before(m.root):
                 new = m.rule.replacement(g, m, ctx)
             # wildcards bound to pure nodes only the match read (w.t(), x[..., :h]) go too
             bound = [v for v in m.values.values() if isinstance(v, Node)
                      and v.op in ("call_function", "call_method") and not writes_in_place(v)]
             replace_node(m.root, new, self.name, m.dead + bound)
+            replaced[m.root] = new
 
     def _report_autograd_functions(self, gm: GraphModule, ctx: PassContext, rules: tuple[Rule, ...]) -> None:
         for node in gm.graph.nodes:

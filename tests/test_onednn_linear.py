@@ -165,6 +165,20 @@ def test_the_pass_rewrites_addmm_and_matmul_by_a_stored_in_out_weight():
     torch.testing.assert_close(got_grads, want_grads, **_bar(48))
 
 
+def test_linears_reading_each_other_directly_are_all_rewritten():
+    """A site's input is the previous site's output (no op between): the later replacement
+    reads the earlier one's, not the erased original (the rule driver's apply, in graph order)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 24), nn.Linear(24, 8)), torch.randn(5, 16)
+    cap, sites = rewrite(model, (x,), "onednn_linear", training=True)
+    assert len(sites) == 3
+    params = list(model.parameters())
+    got_out, got_grads = outputs_and_grads(cap, (x,), params)
+    want_out, want_grads = outputs_and_grads(model, (x,), params)
+    torch.testing.assert_close(got_out, want_out, **_bar(32))
+    torch.testing.assert_close(got_grads, want_grads, **_bar(32))
+
+
 def test_no_site_in_float64_and_none_with_onednn_disabled():
     _, sites = rewrite(Mlp(torch.float64), (torch.randn(4, 32, dtype=torch.float64),), "onednn_linear")
     assert sites == []
