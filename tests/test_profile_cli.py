@@ -74,13 +74,17 @@ def test_gpt2_training_top_three_name_line_fraction_of_peak_and_bound(tmp_path, 
     assert len(top) == 3
     verdict = r"(compute|memory)-bound, \d+% of peak (compute|bandwidth)"
     for line in top:
-        # function, module chain, file:line (and the line's code where the call is found)
-        assert re.search(r"— (backward of )?`[\w.<>]+` \[[\w.]+\] \w+\.py:\d+", line), line
         # Which operators rank in the top three depends on the CPU; which rows carry a roofline
         # verdict does not: every operator that does arithmetic, and no view or allocation (their
         # self time is bookkeeping, with no FLOPs or bytes of their own).
         op = re.match(r"\d\. `aten::(\w+)`", line)
-        if op is not None and op.group(1) in _VIEWS | _ALLOCATIONS | _DISPATCHING:
+        bookkeeping = op is not None and op.group(1) in _VIEWS | _ALLOCATIONS | _DISPATCHING
+        # function, module chain, file:line (and the line's code where the call is found); a view
+        # may be made outside every module (the AMD EPYC once ranked `aten::view` second, 1.4%,
+        # at the caller's line): no chain then
+        chain = r"( \[[\w.]+\])?" if bookkeeping else r" \[[\w.]+\]"
+        assert re.search(r"— (backward of )?`[\w.<>]+`" + chain + r" \w+\.py:\d+", line), line
+        if bookkeeping:
             assert not re.search(verdict, line), line
         else:
             assert re.search(verdict, line), line
