@@ -150,3 +150,46 @@ def test_a_warm_cache_loads_the_programs_without_building_them(groups, monkeypat
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     # built cold; warm, the same programs loaded from the folder, none built
     assert cold and builds == [] and len(groups) == 2 * programs and "own" not in groups
+
+
+def test_the_backward_is_compiled_with_the_forward_and_its_programs_are_not_waited_for(groups, monkeypatch):
+    """The forward alone has run: the backward's programs are submitted already (compiled with
+    the forward), and none of them has been waited for (each waits at its first call)."""
+    waited: list = []
+    function = kernel_batches._Group.function
+
+    def spy(self, i):
+        waited.append(id(self))
+        return function(self, i)
+    monkeypatch.setattr(kernel_batches._Group, "function", spy)
+    made: list = []
+    init = kernel_batches._Group.__init__
+
+    def seen(self, kernels, submit):
+        made.append(id(self))
+        init(self, kernels, submit)
+    monkeypatch.setattr(kernel_batches._Group, "__init__", seen)
+    want = _run(f)
+    with fresh_inductor_cache():
+        fn = _compiled(with_kernel_batches(torch._dynamo.lookup_backend("inductor")))
+        x, w = _inputs()
+        out = fn(x, w)
+        after_forward = (list(made), set(waited))
+        out.backward()
+    assert len(after_forward[0]) > len(after_forward[1]) >= 1  # programs built, not yet waited for
+    assert set(made) == set(waited)  # the backward waited for the rest at its first calls
+    for g, v in zip((out.detach(), x.grad, w.grad), want):
+        torch.testing.assert_close(g, v, rtol=1e-5, atol=1e-5)
+
+
+def test_a_deferred_kernel_puts_the_built_function_in_its_place():
+    calls: list = []
+
+    class Built:
+        def result(self):
+            calls.append("built")
+            return lambda *a: sum(a)
+    scope: dict = {}
+    scope["k"] = kernel_batches._Deferred(Built(), scope, "k")
+    assert scope["k"](1, 2) == 3 and calls == ["built"]
+    assert scope["k"](3, 4) == 7 and calls == ["built"] and not isinstance(scope["k"], kernel_batches._Deferred)
