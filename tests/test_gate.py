@@ -7,7 +7,15 @@ import pytest
 import torch
 
 import rewriter
-from rewriter.decide.gate import GateSettings, Measurement, Step, clearly_one_way, decide, measure
+from rewriter.decide.gate import (
+    GateSettings,
+    Measurement,
+    Step,
+    clearly_one_way,
+    conclusive_or_on_the_line,
+    decide,
+    measure,
+)
 from tests.controlled import QUICK, ControlledClock, RewriteRelu, StepRelu
 from tests.models import ReluMLP
 
@@ -192,6 +200,34 @@ def test_optimize_decides_a_whole_step_pass_far_past_the_line_on_its_few_pairs(m
                              gate=gate, profile=False, progress=False, knowledge_base=False)
     d = _decision(fast, "s")
     assert d.kept and d.scope == "step" and d.measurement["pairs"] == gate.step_early_pairs
+
+
+REGION = GateSettings(warmup=0, warmup_seconds=0, max_warmup=0, min_pairs=10, max_pairs=120,
+                      budget_seconds=60.0)
+
+
+def _on_the_line(enough=None, costs=1 / 1.05, seed=0):
+    clock = ControlledClock({"x": costs}, jitter=0.01)
+    clock.rng.seed(seed)
+    a, b = Step(lambda: None, (), "a"), Step(lambda: None, ("x",), "b")
+    return measure(a, b, clock=clock, settings=REGION, min_speedup=1.05, enough=enough)
+
+
+def test_a_region_on_the_line_stops_once_its_figures_lie_within_the_band():
+    # truly 1.05x, the margin itself: more pairs only say which side of the line a figure on
+    # it falls; the band stops there, the plain rule measures on (to its budget)
+    band = conclusive_or_on_the_line(1.05, 0.02, 2.0)
+    for seed in range(5):
+        plain, banded = _on_the_line(seed=seed), _on_the_line(band, seed=seed)
+        s, n = banded.speedup, banded.noise
+        assert REGION.min_pairs <= banded.pairs < plain.pairs, seed
+        assert 1.03 <= s - 2 * n and s + 2 * n <= 1.07, seed
+
+
+@pytest.mark.parametrize("cost, kept", [(1 / 1.15, True), (1 / 0.95, False)])
+def test_the_band_leaves_a_region_clear_of_the_line_to_the_usual_rule(cost, kept):
+    m = _on_the_line(conclusive_or_on_the_line(1.05, 0.02, 2.0), costs=cost)
+    assert m.pairs == REGION.min_pairs and decide(m, 1.05)[0] is kept
 
 
 def test_a_pair_that_would_end_past_the_deadline_is_not_started(monkeypatch):

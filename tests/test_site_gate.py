@@ -680,6 +680,22 @@ def test_a_region_near_the_margin_is_measured_within_its_own_budget_then_its_fig
     assert gate.region_min_pairs <= pairs < 40  # 0.5 s of 0.1 s pairs, not 200 pairs
 
 
+@pytest.mark.parametrize("base, early", [(0.06, True), (0.01, False)])
+def test_a_region_long_enough_to_time_once_gets_a_steps_early_verdict_a_short_one_does_not(blocks, base, early):
+    import dataclasses
+    model, x = blocks
+    gate = dataclasses.replace(QUICK, min_pairs=8, max_pairs=12)
+    fast = rewriter.optimize(model, (x,), passes=[RewriteRelu("a")], clock=ControlledClock({"a": 0.5}, base=base),
+                             gate=gate, profile=False, progress=False, knowledge_base=False, compile=False)
+    d = _decision(fast, "a")
+    pairs = d.regions[0]["measurement"]["pairs"]
+    assert d.kept
+    if early:  # samples like a step's (an LM head's): answered on the step's few pairs
+        assert pairs == gate.step_early_pairs
+    else:  # short samples: no verdict on a handful
+        assert pairs >= max(gate.min_pairs, gate.region_min_pairs)
+
+
 def _step_samples(clock, name):
     return sum(1 for passes, scope in zip(clock.seen, clock.scopes) if scope == "step" and name in passes)
 
