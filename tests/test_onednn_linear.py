@@ -115,6 +115,16 @@ def test_a_compiled_graph_keeps_the_custom_ops():
     assert any("onednn_linear" in g for g in graphs)
 
 
+def _assert_matches(cap, model, x, k_out, k_grads):
+    """The rewritten capture's output and parameter gradients against the model's own, at the
+    fp32 bar of sums ``k_out`` and ``k_grads`` long."""
+    params = list(model.parameters())
+    got_out, got_grads = outputs_and_grads(cap, (x,), params)
+    want_out, want_grads = outputs_and_grads(model, (x,), params)
+    torch.testing.assert_close(got_out, want_out, **_bar(k_out))
+    torch.testing.assert_close(got_grads, want_grads, **_bar(k_grads))
+
+
 class Mlp(nn.Module):
     def __init__(self, dtype=torch.float32):
         super().__init__()
@@ -132,11 +142,7 @@ def test_the_pass_rewrites_each_fp32_linear(front_end):
     cap, sites = rewrite(model, (x,), "onednn_linear", front_end=front_end, training=True)
     assert sorted(s.description.split(": ")[1] for s in sites) == ["linear 32->64", "linear 64->32"]
     assert "linear" in code(cap) and "onednn" in code(cap)
-    params = list(model.parameters())
-    got_out, got_grads = outputs_and_grads(cap, (x,), params)
-    want_out, want_grads = outputs_and_grads(model, (x,), params)
-    torch.testing.assert_close(got_out, want_out, **_bar(64))
-    torch.testing.assert_close(got_grads, want_grads, **_bar(40))
+    _assert_matches(cap, model, x, k_out=64, k_grads=40)
 
 
 class Conv1DStyle(nn.Module):
@@ -158,11 +164,7 @@ def test_the_pass_rewrites_addmm_and_matmul_by_a_stored_in_out_weight():
     cap, sites = rewrite(model, (x,), "onednn_linear", training=True)
     assert sorted(s.description.split(": ")[1] for s in sites) == ["linear 32->48", "linear 48->16"]
     assert "addmm" not in code(cap) and "matmul" not in code(cap)
-    params = list(model.parameters())
-    got_out, got_grads = outputs_and_grads(cap, (x,), params)
-    want_out, want_grads = outputs_and_grads(model, (x,), params)
-    torch.testing.assert_close(got_out, want_out, **_bar(48))
-    torch.testing.assert_close(got_grads, want_grads, **_bar(48))
+    _assert_matches(cap, model, x, k_out=48, k_grads=48)
 
 
 def test_linears_reading_each_other_directly_are_all_rewritten():
@@ -172,11 +174,7 @@ def test_linears_reading_each_other_directly_are_all_rewritten():
     model, x = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 24), nn.Linear(24, 8)), torch.randn(5, 16)
     cap, sites = rewrite(model, (x,), "onednn_linear", training=True)
     assert len(sites) == 3
-    params = list(model.parameters())
-    got_out, got_grads = outputs_and_grads(cap, (x,), params)
-    want_out, want_grads = outputs_and_grads(model, (x,), params)
-    torch.testing.assert_close(got_out, want_out, **_bar(32))
-    torch.testing.assert_close(got_grads, want_grads, **_bar(32))
+    _assert_matches(cap, model, x, k_out=32, k_grads=32)
 
 
 def test_no_site_in_float64_and_none_with_onednn_disabled():
