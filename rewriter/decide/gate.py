@@ -46,6 +46,8 @@ class Step:
     label: str
     scope: str = "step"  # "step" (the user's whole step), "region" (one site's region), "optimizer"
     reps: int = 1        # runs of the region per sample
+    # run before each timed sample, untimed (a region's: the heap as a step leaves it)
+    before_sample: Callable[[], None] | None = None
 
 
 class Clock(Protocol):
@@ -447,6 +449,8 @@ def _pairs(baseline: Step, candidate: Step, clock: Clock, settings: GateSettings
 
 def _timed(clock: Clock, step: Step) -> tuple[float, int | None]:
     """One sample: its time, and the page faults it took where the clock counts them."""
+    if step.before_sample is not None:
+        step.before_sample()
     faults = getattr(clock, "page_faults", None)
     before = faults() if faults is not None else None
     t = clock.time(step)

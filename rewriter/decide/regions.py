@@ -18,6 +18,7 @@ from rewriter.capture.record import Recorded, Recorder, RecordingDone
 from rewriter.capture.region import Region, captured_dtype, dtype_of_region, find_regions
 from rewriter.decide import memory
 from rewriter.decide.confirm import KeptUnit
+from rewriter.decide.fresh_heap import step_maps_fresh_pages
 from rewriter.decide.gate import decide, known_verdict, saved_ms
 from rewriter.decide.job import VERIFY_SEED, switched
 from rewriter.decide.kept import KeptPass, apply_sites, mode_of, overlay_for
@@ -241,7 +242,8 @@ class RegionDecisions:
             m = measure_region(r, self._values(values, slot, r), self.job.training, clock=self.clock,
                                settings=self.settings.gate, min_speedup=self.settings.min_speedup,
                                forms=self._forms(r, overlay), deadline=self.decide_by,
-                               original_seconds=None if once_ms is None else once_ms / 1e3)
+                               original_seconds=None if once_ms is None else once_ms / 1e3,
+                               fresh_heap=self._fresh_heap())
         keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
         keep, reason = self._negligible(keep, reason, m.saved_ms * _calls(members))
         figures = m.to_dict()  # finite figures or None (no pair: a warm-up the budget cut short)
@@ -256,8 +258,29 @@ class RegionDecisions:
                                                    "ran_in": row["ran_in"]})
         return row
 
+    def _fresh_heap(self) -> bool:
+        """Whether region samples start from a trimmed heap: the user's step, one warm forward
+        and backward on the host, maps fresh pages (rewriter.decide.fresh_heap); counted once."""
+        if getattr(self, "_fresh_heap_answer", None) is None:
+            job = self.job
+
+            def forward_backward() -> None:
+                with torch.enable_grad() if job.training else torch.no_grad():
+                    out = job.call(job.model)
+                    if job.training:
+                        job.loss(out).backward()
+                job.zero_grads()
+            fresh = False
+            if job.backend.name == "cpu":  # the host heap: a device's tensors are not on it
+                with self._phase("measure"):
+                    fresh = bool(step_maps_fresh_pages(forward_backward))
+                self.snapshot.restore()
+            self._fresh_heap_answer = fresh
+        return self._fresh_heap_answer
+
     def _region_key(self, p: Pass, r: Region, precision: str | None) -> str:
-        extra = {**self.job.backend.knowledge_key(), "region timing": REGION_TIMING}
+        extra = {**self.job.backend.knowledge_key(), "region timing": REGION_TIMING,
+                 "heap": "trimmed" if self._fresh_heap() else "as it runs"}
         if precision is not None:  # both forms were timed with the precision pass's casts in
             extra["precision passes"] = ",".join(f"{q.name} v{q.version}" for q in self.passes
                                                  if q.sets_precision)
