@@ -224,10 +224,10 @@ def measure_region(region: Region, values: list[Recorded], training: bool, *, cl
             a.run()  # its cotangents drawn (its first call came with the earlier timing)
         b.run()  # first call: allocator, kernels picked
         reps = repeats_for(original_seconds, settings.region_sample_seconds)
-        before = heap_as_a_step_leaves_it if fresh_heap and maps_fresh_pages(a.run) else None
-        base = Step(_repeated(a, reps), (), "original region", scope="region", reps=reps, before_sample=before)
+        trim = heap_as_a_step_leaves_it if fresh_heap and maps_fresh_pages(a.run) else None
+        base = Step(_repeated(a, reps), (), "original region", scope="region", reps=reps, before_sample=trim)
         cand = Step(_repeated(b, reps), (region.pass_name,), "replacement", scope="region", reps=reps,
-                    before_sample=before)
+                    before_sample=trim)
         fewest = region_fewest_pairs(original_seconds, settings)
         quick_warmup = dataclasses.replace(settings, warmup_seconds=settings.region_warmup_seconds,
                                            budget_seconds=min(settings.budget_seconds,
