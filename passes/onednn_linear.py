@@ -52,13 +52,17 @@ def mm_pattern(x, v):
     return torch.mm(x, v)
 
 
+def _weight(m: Match) -> str:
+    """The match's weight wildcard: ``w`` (out, in), as F.linear takes it, or ``v`` (in, out)."""
+    return "w" if "w" in m.values else "v"
+
+
 def _in_out(m: Match) -> tuple[int, int] | None:
-    """(in, out) features of the match's weight: ``w`` is (out, in), ``v`` (in, out)."""
-    if "w" in m.values:
-        wi = m.info("w")
-        return None if wi is None or wi.ndim != 2 else (wi.shape[1], wi.shape[0])
-    vi = m.info("v")
-    return None if vi is None or vi.ndim != 2 else tuple(vi.shape)
+    """(in, out) features of the match's weight."""
+    wi = m.info(_weight(m))
+    if wi is None or wi.ndim != 2:
+        return None
+    return (wi.shape[1], wi.shape[0]) if _weight(m) == "w" else tuple(wi.shape)
 
 
 def is_fp32_linear(m: Match) -> bool:
@@ -66,8 +70,7 @@ def is_fp32_linear(m: Match) -> bool:
     xi, io = m.info("x"), _in_out(m)
     if xi is None or io is None or xi.ndim < 1 or xi.shape[-1] != io[0]:
         return False
-    weight = m.info("w" if "w" in m.values else "v")
-    if xi.dtype != torch.float32 or weight.dtype != torch.float32:
+    if xi.dtype != torch.float32 or m.info(_weight(m)).dtype != torch.float32:
         return False
     if "b" in m.values:
         b = m.info("b")
@@ -76,7 +79,7 @@ def is_fp32_linear(m: Match) -> bool:
 
 
 def _onednn(g, m: Match, ctx):
-    weight = m["w"] if "w" in m.values else g.call_method("t", (m["v"],))
+    weight = m["w"] if _weight(m) == "w" else g.call_method("t", (m["v"],))
     return g.call_function(linear, (m["x"], weight) + ((m["b"],) if "b" in m.values else ()))
 
 

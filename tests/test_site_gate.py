@@ -629,12 +629,18 @@ class Fp32OnlyRelu(RewriteRelu):
     full_precision_only = True  # as onednn_linear: a no-op once the graphs run in half
 
 
-def test_a_full_precision_only_pass_is_not_tried_under_a_kept_precision():
+def _beside_precision(cast_cost):
+    """optimize(dtype=bf16) of a full-precision-only pass (0.5x) beside cast_to_half (``cast_cost``)."""
     torch.manual_seed(0)
     model, x = Blocks(n=4).eval(), torch.randn(8, 16)
-    clock = ControlledClock({"fp32": 0.5, "cast_to_half": 0.5})
+    clock = ControlledClock({"fp32": 0.5, "cast_to_half": cast_cost})
     fast = _opt(model, (x,), [Fp32OnlyRelu("fp32"), "cast_to_half"], clock, dtype=torch.bfloat16,
                 device=Bf16Cpu())
+    return fast, clock
+
+
+def test_a_full_precision_only_pass_is_not_tried_under_a_kept_precision():
+    fast, clock = _beside_precision(0.5)
     assert _decision(fast, "cast_to_half").kept
     d = _decision(fast, "fp32")
     assert not d.kept and d.status == "not applicable" and "fp32 ops only" in d.reason
@@ -643,11 +649,7 @@ def test_a_full_precision_only_pass_is_not_tried_under_a_kept_precision():
 
 def test_a_rejected_precision_sends_a_full_precision_only_pass_back_to_be_decided():
     """No other pass had regions under the speculated precision: it is decided again all the same."""
-    torch.manual_seed(0)
-    model, x = Blocks(n=4).eval(), torch.randn(8, 16)
-    clock = ControlledClock({"fp32": 0.5, "cast_to_half": 2.0})
-    fast = _opt(model, (x,), [Fp32OnlyRelu("fp32"), "cast_to_half"], clock, dtype=torch.bfloat16,
-                device=Bf16Cpu())
+    fast, _ = _beside_precision(2.0)
     assert not _decision(fast, "cast_to_half").kept
     d = _decision(fast, "fp32")
     assert d.kept and d.regions[0]["ran_in"] == "float32"

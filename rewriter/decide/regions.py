@@ -43,6 +43,7 @@ class RegionDecisions:
     """Run's methods that decide a site-scope pass region signature by region signature."""
 
     _set_aside_for_precision: frozenset[str] = frozenset()  # see _not_in_precision
+    _fresh_heap_answer: bool | None = None  # see _fresh_heap: counted once a run
 
     def _regions(self, p: Pass, sites: dict[str, list],
                  require_sites: bool = True) -> tuple[list[tuple[GraphSlot, Region]] | None, str]:
@@ -261,7 +262,7 @@ class RegionDecisions:
     def _fresh_heap(self) -> bool:
         """Whether region samples start from a trimmed heap: the user's step, one warm forward
         and backward on the host, maps fresh pages (rewriter.decide.fresh_heap); counted once."""
-        if getattr(self, "_fresh_heap_answer", None) is None:
+        if self._fresh_heap_answer is None:
             job = self.job
 
             def forward_backward() -> None:
