@@ -18,7 +18,7 @@ from rewriter.capture.record import Recorded, Recorder, RecordingDone
 from rewriter.capture.region import Region, captured_dtype, dtype_of_region, find_regions
 from rewriter.decide import memory
 from rewriter.decide.confirm import KeptUnit
-from rewriter.decide.fresh_heap import step_maps_fresh_pages
+from rewriter.decide.fresh_heap import STEP_TRIES, step_maps_fresh_pages
 from rewriter.decide.gate import decide, known_verdict, saved_ms
 from rewriter.decide.job import VERIFY_SEED, switched
 from rewriter.decide.kept import KeptPass, apply_sites, mode_of, overlay_for
@@ -260,8 +260,9 @@ class RegionDecisions:
         return row
 
     def _fresh_heap(self) -> bool:
-        """Whether region samples start from a trimmed heap: the user's step, one warm forward
-        and backward on the host, maps fresh pages (rewriter.decide.fresh_heap); counted once."""
+        """Whether region samples start from a trimmed heap: the user's step, a warm forward
+        and backward on the host, maps fresh pages in one of up to ``STEP_TRIES`` runs
+        (rewriter.decide.fresh_heap); counted once a run."""
         if self._fresh_heap_answer is None:
             job = self.job
 
@@ -274,7 +275,7 @@ class RegionDecisions:
             fresh = False
             if job.backend.name == "cpu":  # the host heap: a device's tensors are not on it
                 with self._phase("measure"):
-                    fresh = bool(step_maps_fresh_pages(forward_backward))
+                    fresh = bool(step_maps_fresh_pages(forward_backward, tries=STEP_TRIES))
                 self.snapshot.restore()
             self._fresh_heap_answer = fresh
         return self._fresh_heap_answer
