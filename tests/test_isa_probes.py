@@ -36,8 +36,8 @@ class _Build:
 
 def test_builds_run_side_by_side_off_the_main_thread_and_the_start_does_not_wait(monkeypatch):
     barrier, seen = threading.Barrier(3), []
-    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["a", "b"])
-    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Build(barrier, seen, isa), "code")])
+    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["x"])  # one ISA, two programs
+    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Build(barrier, seen, n), "code") for n in "ab"])
     futures = isa_probes.start_vec_isa_probes()
     assert len(futures) == 3 and not any(f.done() for f in futures)  # nobody waited for them
     barrier.wait(timeout=10)  # the third party: this test, while both builds are running
@@ -46,6 +46,11 @@ def test_builds_run_side_by_side_off_the_main_thread_and_the_start_does_not_wait
     assert seen == [False, False]
     # then one child loaded both (neither exists)
     assert futures[2].result() == {"/nowhere/a.so": False, "/nowhere/b.so": False}
+
+
+def _two_programs(isa):
+    """One ISA's two test programs, as AVX-512's base and BF16 ones."""
+    return [(_Program(), "a"), (_Program(), "b")]
 
 
 class _Program:
@@ -91,8 +96,8 @@ def test_while_a_compile_runs_inductors_load_check_reads_the_childs_answer(monke
         own_loads.append(path)
         return True
     monkeypatch.setattr(v.VecISA, "_probe_load", inductors_load)
-    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["a", "b"])
-    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Program(), isa)])
+    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["x"])
+    monkeypatch.setattr(isa_probes, "program_builds", _two_programs)
     monkeypatch.setattr(isa_probes, "load_in_one_child",
                         lambda paths, env=None: {p: False for p in paths})
     futures = isa_probes.start_vec_isa_probes()
@@ -111,8 +116,8 @@ def test_an_inductor_without_the_load_check_loads_the_programs_its_own_way(monke
     """Another torch's layout: the builds still run, nothing stands in front of Inductor."""
     from torch._inductor import cpu_vec_isa as v
     monkeypatch.delattr(v.VecISA, "_probe_load")
-    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["a", "b"])
-    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Program(), isa)])
+    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["x"])
+    monkeypatch.setattr(isa_probes, "program_builds", _two_programs)
     futures = isa_probes.start_vec_isa_probes()
     isa_probes.wait(futures)
     assert sorted(f.result() for f in futures) == ["/cache/a.so", "/cache/b.so"]
@@ -189,8 +194,8 @@ def test_a_program_inductor_checks_before_its_build_here_ended_is_inductors_to_l
         def check_build(self, code: str) -> bool:
             with file_lock:  # as Inductor's FileLock of this program
                 return self._probe_load(f"/cache/{code}.so")
-    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["a", "b"])
-    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Locked(), isa)])
+    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["x"])
+    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Locked(), code) for code in "ab"])
     with file_lock:  # Inductor's check of program "a", under its lock
         futures = isa_probes.start_vec_isa_probes()
         assert v.VecAVX2()._probe_load("/cache/a.so") is True
@@ -214,8 +219,8 @@ def test_inductors_check_decides_the_same_with_the_childs_answers_as_with_its_ow
     import platform
 
     from torch._inductor import cpu_vec_isa as v
-    if platform.machine() != "x86_64" or len([b for isa in isa_probes.candidate_isas()
-                                              for b in isa_probes.program_builds(isa)]) < 2:
+    checked = isa_probes.candidate_isas()[:1] if isa_probes.picks_the_first() else isa_probes.candidate_isas()
+    if platform.machine() != "x86_64" or len([b for isa in checked for b in isa_probes.program_builds(isa)]) < 2:
         pytest.skip("x86 with two or more test programs only")
     own_loads = []
     inductors = v.VecISA._probe_load
@@ -224,7 +229,7 @@ def test_inductors_check_decides_the_same_with_the_childs_answers_as_with_its_ow
     def decide():
         _clear_inductors_answers()
         try:
-            return [(bool(isa), isa.build_arch_flags()) for isa in (type(c)() for c in isa_probes.candidate_isas())]
+            return [(bool(isa), isa.build_arch_flags()) for isa in (type(c)() for c in checked)]
         finally:
             _clear_inductors_answers()
     futures = isa_probes.start_vec_isa_probes()
@@ -243,13 +248,76 @@ def test_once_inductor_has_picked_its_isas_a_later_compile_builds_and_loads_noth
     child would load them again for nothing."""
     from torch._inductor import cpu_vec_isa as v
     monkeypatch.undo()  # the real question, not the fixture's answer
-    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["a", "b"])
-    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Program(), isa)])
     v.valid_vec_isa_list()  # Inductor picks (its builds are on disk from the tests above, or built now)
     assert isa_probes._inductor_has_decided()
+    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["x"])
+    monkeypatch.setattr(isa_probes, "program_builds", _two_programs)
     assert isa_probes.start_vec_isa_probes() == []
     v.valid_vec_isa_list.cache_clear()  # (Inductor picks again when next asked)
     assert not isa_probes._inductor_has_decided()
     futures = isa_probes.start_vec_isa_probes()
     isa_probes.wait(futures)
     assert len(futures) == 3
+
+
+class _Isa:
+    """Stands in for one of Inductor's ISA objects: its check (``bool``) says ``ok``."""
+
+    def __init__(self, name: str, ok: bool, checked: list) -> None:
+        self.name, self.ok, self.checked = name, ok, checked
+
+    def __bool__(self) -> bool:
+        self.checked.append(self.name)
+        return self.ok
+
+
+@pytest.fixture
+def inductors_list(monkeypatch):
+    """Inductor's list of valid ISAs over three stand-ins (the first fails its check), with ours
+    in its place as a compile leaves it; the real list again after the test."""
+    from torch._inductor import cpu_vec_isa as v
+    checked: list = []
+    isas = [_Isa("amx", False, checked), _Isa("avx512", True, checked), _Isa("avx2", True, checked)]
+
+    def inductors():
+        return [isa for isa in isas if isa]
+    inductors.cache_clear = lambda: None
+    monkeypatch.setattr(v, "valid_vec_isa_list", inductors)
+    monkeypatch.setattr(isa_probes, "_INDUCTORS_LIST", None)
+    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: isas)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    isa_probes._up_to_the_first_valid.cache_clear()
+    isa_probes.check_up_to_the_first_valid()
+    yield v, isas, checked
+    isa_probes._up_to_the_first_valid.cache_clear()
+
+
+def test_inductors_isa_check_stops_at_the_first_valid_isa_the_one_it_picks(inductors_list):
+    v, isas, checked = inductors_list
+    assert v.valid_vec_isa_list() == [isas[1]] and checked == ["amx", "avx512"]
+    assert v.valid_vec_isa_list() == [isas[1]] and checked == ["amx", "avx512"]  # asked once
+
+
+@pytest.mark.parametrize("ask", ["simdlen", "ATEN_CPU_CAPABILITY"])
+def test_where_inductor_picks_by_width_or_by_name_it_checks_them_all(inductors_list, monkeypatch, ask):
+    from torch._inductor import config
+    v, isas, checked = inductors_list
+    if ask == "simdlen":
+        monkeypatch.setattr(config.cpp, "simdlen", 256)
+    else:
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert v.valid_vec_isa_list() == isas[1:] and checked == ["amx", "avx512", "avx2"]
+
+
+@pytest.mark.parametrize("picks_the_first, built", [(True, ["/cache/first1.so", "/cache/first2.so"]),
+                                                     (False, ["/cache/first1.so", "/cache/first2.so",
+                                                              "/cache/second1.so", "/cache/second2.so"])])
+def test_only_the_first_candidates_programs_are_built_where_inductor_picks_it(monkeypatch, picks_the_first, built):
+    monkeypatch.setattr(isa_probes, "picks_the_first", lambda: picks_the_first)
+    monkeypatch.setattr(isa_probes, "check_up_to_the_first_valid", lambda: None)
+    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: ["first", "second"])
+    monkeypatch.setattr(isa_probes, "program_builds", lambda isa: [(_Program(), isa + "1"), (_Program(), isa + "2")])
+    monkeypatch.setattr(isa_probes, "load_in_one_child", lambda paths, env=None: {p: True for p in paths})
+    futures = isa_probes.start_vec_isa_probes()
+    isa_probes.wait(futures)
+    assert sorted(f.result() for f in futures[:-1]) == built
