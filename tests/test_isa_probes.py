@@ -321,3 +321,9 @@ def test_only_the_first_candidates_programs_are_built_where_inductor_picks_it(mo
     futures = isa_probes.start_vec_isa_probes()
     isa_probes.wait(futures)
     assert sorted(f.result() for f in futures[:-1]) == built
+
+
+def test_without_candidates_of_ours_inductors_own_list_answers(inductors_list, monkeypatch):
+    v, isas, checked = inductors_list  # off x86 Linux, or with config.cpp.vec_isa_ok set
+    monkeypatch.setattr(isa_probes, "candidate_isas", lambda: [])
+    assert v.valid_vec_isa_list() == isas[1:] and checked == ["amx", "avx512", "avx2"]

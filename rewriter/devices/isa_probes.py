@@ -107,8 +107,13 @@ def picks_the_first() -> bool:
 
 
 @functools.cache
-def _up_to_the_first_valid() -> list[Any]:
-    for isa in candidate_isas():
+def _up_to_the_first_valid() -> list[Any] | None:
+    """The first valid candidate, alone (none valid: empty); None where there is no candidate
+    of ours (off x86 Linux): Inductor's own list then."""
+    isas = candidate_isas()
+    if not isas:
+        return None
+    for isa in isas:
         if isa:  # Inductor's own check of it: its test programs built and loaded
             return [isa]
     return []
@@ -117,9 +122,8 @@ def _up_to_the_first_valid() -> list[Any]:
 def _valid_vec_isa_list() -> list[Any]:
     """Inductor's ``valid_vec_isa_list``, checked only up to the first valid ISA where that is
     the one it picks (:func:`picks_the_first`); otherwise, or off x86 Linux, its own list."""
-    if picks_the_first() and candidate_isas():
-        return _up_to_the_first_valid()
-    return _INDUCTORS_LIST()
+    first = _up_to_the_first_valid() if picks_the_first() else None
+    return _INDUCTORS_LIST() if first is None else first
 
 
 def _cache_clear() -> None:
