@@ -1,0 +1,118 @@
+"""optimize() against each peer directly, side by side: the two steps interleaved in one process.
+
+``benchmarks.run`` times every configuration against eager, and reads "ahead of the peer" from
+two speedups over two eager baselines. On a CPU whose allocator hands large freed tensors back,
+eager's own step moves with what it is interleaved with (2-core AMD EPYC, LLaMA fp32: eager 310
+ms a step mapping 11 920 fresh pages beside the compiled peer, 258 ms mapping none beside
+optimize(), in one process): the two speedups then differ by the baselines as much as by the
+configurations. Here the configuration and the peer are timed against each other::
+
+    python -m benchmarks.head_to_head --out <dir>                          # the five, fp32
+    python -m benchmarks.head_to_head --models llama --ours optimize_bf16_steps20k \\
+        --peers compile_expert_autocast expert_autocast                      # bf16
+    python -m benchmarks.head_to_head --quick                               # tiny sizes: it runs
+
+Each model in a fresh process of its own (an empty Inductor cache and knowledge base): ours is
+prepared first (optimize(), its decisions timed alone), then each peer, each run once; then ours
+against each peer, interleaved (``benchmarks.measure.side_by_side``: the median of paired
+ratios, its noise). Above 1: ours is faster.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from typing import Sequence
+
+DEFAULT_MODELS = ("llama", "gpt2", "bert", "qwen2", "distilbert")
+
+
+def versus(model: str, ours: str, peers: Sequence[str], quick: bool) -> dict:
+    """In this process: ``ours`` and each of ``peers`` prepared on copies of one model, then
+    ours against each peer, side by side."""
+    from benchmarks.configs import CONFIGS, Setup
+    from benchmarks.measure import BENCH_GATE, QUICK_GATE, side_by_side
+    from benchmarks.models import build_case
+
+    case = build_case(model, quick=quick, training=True)
+    gate = QUICK_GATE if quick else BENCH_GATE
+    variants = {}
+    for name in (ours, *peers):
+        variants[name] = CONFIGS[name].prepare(Setup(case, copy.deepcopy(case.model), True, quick))
+        variants[name].step()  # the first step (a compile) is not timed
+    mine = variants[ours]
+    rows = []
+    for peer in peers:
+        m = side_by_side(variants[peer].step, mine.step, gate)
+        rows.append({"peer": peer, "speedup": round(m.speedup, 4), "noise": round(m.noise, 4),
+                     "pairs": m.pairs, "peer_ms": round(m.baseline_ms, 2), "ours_ms": round(m.candidate_ms, 2)})
+    kept = [n for n in mine.notes if n.startswith("kept")]
+    return {"model": model, "ours": ours, "rows": rows, "kept": kept}
+
+
+def in_its_own_process(model: str, ours: str, peers: Sequence[str], quick: bool) -> dict:
+    from benchmarks.measure import in_fresh_process
+    cmd = [sys.executable, "-m", "benchmarks.head_to_head", "--one", model, "--ours", ours,
+           "--peers", *peers] + (["--quick"] if quick else [])
+    out = in_fresh_process(cmd, knowledge_base=True)
+    if out.returncode != 0:
+        return {"model": model, "ours": ours, "error": out.stderr.strip()[-1500:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def markdown(results: list[dict], command: str, machine: dict) -> str:
+    from benchmarks.configs import CONFIGS
+    from benchmarks.measure import machine_line
+    lines = ["# optimize() against each peer, side by side", "", f"Command: `{command}`", "",
+             machine_line(machine), "",
+             "Each model in a fresh process (empty Inductor cache and knowledge base); ours and the "
+             "peer interleaved in that process, after their first steps. **ours / peer**: the median "
+             "of the paired ratios of the peer's step time over ours (above 1: ours is faster), "
+             "± its noise.", "",
+             "| model | ours | peer | ours / peer | pairs | peer ms | ours ms | kept |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['ours']} | - | failed: {r['error'][-200:]} | | | | |")
+            continue
+        for row in r["rows"]:
+            lines.append(f"| {r['model']} | {CONFIGS[r['ours']].label} | {CONFIGS[row['peer']].label} | "
+                         f"**{row['speedup']:.2f}x** ±{row['noise']:.2f} | {row['pairs']} | "
+                         f"{row['peer_ms']:.1f} | {row['ours_ms']:.1f} | {'; '.join(r['kept'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    from benchmarks.configs import CONFIG_NAMES
+    p = argparse.ArgumentParser(prog="python -m benchmarks.head_to_head", description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
+    p.add_argument("--ours", default="optimize_steps20k", choices=CONFIG_NAMES)
+    p.add_argument("--peers", nargs="+", default=["compile", "expert"], choices=CONFIG_NAMES)
+    p.add_argument("--quick", action="store_true", help="tiny sizes and few pairs: checks it runs")
+    p.add_argument("--out", help="folder for HEAD_TO_HEAD.md and head_to_head.json")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # the child: one model, its result as JSON
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.one:
+        print(json.dumps(versus(args.one, args.ours, args.peers, args.quick)))
+        return 0
+    from benchmarks.measure import machine_info, write_result
+    command = "python -m benchmarks.head_to_head " + " ".join(sys.argv[1:] if argv is None else argv)
+    results = []
+    for model in args.models:
+        started = time.perf_counter()
+        results.append(in_its_own_process(model, args.ours, args.peers, args.quick))
+        print(f"[head_to_head] {model}: {time.perf_counter() - started:.0f} s "
+              f"{json.dumps(results[-1].get('rows', results[-1].get('error', ''))[:3])[:400]}", flush=True)
+    machine = machine_info()
+    write_result(args.out, "head_to_head", {"command": command, "machine": machine, "results": results},
+                 markdown(results, command, machine))
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
