@@ -74,7 +74,7 @@ def markdown(results: list[dict], command: str, machine: dict) -> str:
              "| model | ours | peer | ours / peer | pairs | peer ms | ours ms | kept |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['ours']} | - | failed: {r['error'][-200:]} | | | | |")
+            lines.append(f"| {r['model']} | {CONFIGS[r['ours']].label} | - | failed: {r['error'][-200:]} | | | | |")
             continue
         for row in r["rows"]:
             lines.append(f"| {r['model']} | {CONFIGS[r['ours']].label} | {CONFIGS[row['peer']].label} | "
