@@ -56,14 +56,11 @@ def one_time(model: str, config: str, quick: bool, layers: int | None = None) ->
 
 def cold(model: str, config: str, quick: bool, layers: int | None = None) -> dict:
     """:func:`one_time` in a fresh process with an empty Inductor cache and knowledge base."""
-    from benchmarks.measure import in_fresh_process
+    from benchmarks.measure import result_in_fresh_process
 
     cmd = [sys.executable, "-m", "benchmarks.cold_one_time", "--one", model, config] + \
         (["--quick"] if quick else []) + (["--layers", str(layers)] if layers else [])
-    out = in_fresh_process(cmd, knowledge_base=True)
-    if out.returncode != 0:
-        return {"model": model, "config": config, "error": out.stderr.strip()[-1500:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return result_in_fresh_process(cmd, {"model": model, "config": config}, knowledge_base=True)
 
 
 def markdown(rows: list[dict], command: str, machine: dict) -> str:

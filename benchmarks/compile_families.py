@@ -79,13 +79,10 @@ def one_family(name: str, bf16: bool = False) -> dict:
 def cold(name: str, bf16: bool = False) -> dict:
     """:func:`one_family` in a fresh process with an empty Inductor cache; a process that fails
     is a row with its error."""
-    from benchmarks.measure import in_fresh_process
+    from benchmarks.measure import result_in_fresh_process
 
-    out = in_fresh_process([sys.executable, "-m", "benchmarks.compile_families", "--one", name]
-                           + (["--bf16"] if bf16 else []))
-    if out.returncode != 0:
-        return {"family": name.removesuffix("Config"), "error": out.stderr.strip()[-1500:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return result_in_fresh_process([sys.executable, "-m", "benchmarks.compile_families", "--one", name]
+                                   + (["--bf16"] if bf16 else []), {"family": name.removesuffix("Config")})
 
 
 def _compile_cell(rows: list[dict]) -> str:

@@ -53,13 +53,10 @@ def versus(model: str, ours: str, peers: Sequence[str], quick: bool) -> dict:
 
 
 def in_its_own_process(model: str, ours: str, peers: Sequence[str], quick: bool) -> dict:
-    from benchmarks.measure import in_fresh_process
+    from benchmarks.measure import result_in_fresh_process
     cmd = [sys.executable, "-m", "benchmarks.head_to_head", "--one", model, "--ours", ours,
            "--peers", *peers] + (["--quick"] if quick else [])
-    out = in_fresh_process(cmd, knowledge_base=True)
-    if out.returncode != 0:
-        return {"model": model, "ours": ours, "error": out.stderr.strip()[-1500:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return result_in_fresh_process(cmd, {"model": model, "ours": ours}, knowledge_base=True)
 
 
 def markdown(results: list[dict], command: str, machine: dict) -> str:

@@ -12,6 +12,7 @@ the paired ratios, so drift in clock speed or machine load hits both alike.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -185,3 +186,12 @@ def in_fresh_process(cmd: list[str], knowledge_base: bool = False) -> subprocess
         if knowledge_base:
             env["REWRITER_KNOWLEDGE_BASE"] = os.path.join(scratch, "knowledge_base.json")
         return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+
+def result_in_fresh_process(cmd: list[str], failed: dict, knowledge_base: bool = False) -> dict:
+    """:func:`in_fresh_process` of a child that prints its result as JSON on its last line: that
+    result, or, where the child failed, ``failed`` with the tail of its stderr as ``"error"``."""
+    out = in_fresh_process(cmd, knowledge_base=knowledge_base)
+    if out.returncode != 0:
+        return {**failed, "error": out.stderr.strip()[-1500:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
