@@ -1,14 +1,21 @@
-"""reuse_linear_output: on CPU, a Linear whose output is above glibc's mmap ceiling (32 MiB;
-most often the LM head's logits) written into a buffer kept between calls.
+"""reuse_linear_output: on CPU, a Linear whose output is 8 MiB or more (most often the LM
+head's logits) written into a buffer kept between calls.
 
 A rule table (``rewriter.rules``; ``w`` 2-D (out, in), ``b`` 1-D (out,) or absent)::
 
-    F.linear(x, w, b)   ->  kept_linear(x, w, b)        (x.numel() / in * out * itemsize >= 32 MiB)
+    F.linear(x, w, b)   ->  kept_linear(x, w, b)        (x.numel() / in * out * itemsize >= 8 MiB)
     F.linear(x, w)      ->  kept_linear(x, w)
 
 glibc maps a block above its largest adaptive mmap threshold (32 MiB on 64-bit) afresh at every
 allocation, and the kernel zeroes each page at first touch; the logits of a language model are
-such a block at every step (1024 tokens x 32 000 words in fp32: 131 MB, 32 000 pages). One
+such a block at every step (1024 tokens x 32 000 words in fp32: 131 MB, 32 000 pages). A
+smaller block comes from the heap, on fresh pages too wherever the step left the heap trimmed
+(a training step frees its activations at the end of backward): 1024 tokens x 8000 words in
+fp32 is 31.25 MiB, just under the ceiling, and LLaMA's LM head took 61-86 ms a step on the pages
+its step mapped afresh, 26 ms where it mapped none (2-core AMD EPYC, one process, 6 profiled
+steps, each mapping 12 000-13 500 fresh pages but the first; ``FLOOR``). The gate times a
+region from a trimmed heap where the step maps fresh pages (rewriter.decide.fresh_heap), as it
+runs otherwise, and keeps it where the pages show. One
 [1024, 32 000] fp32 matmul output, 2-core Xeon without AMX (``.diag/logits_buf.py``): 76 ms on
 fresh pages, 53 ms on kept ones. ``kept_linear`` runs the GEMM F.linear runs (``addmm``/``mm``
 with ``out=``) into a buffer of :mod:`rewriter.devices.kept_buffers`: two per dtype, since the
@@ -21,7 +28,8 @@ the process (``rewriter.keep_freed_host_memory()``) there is nothing left to sav
 gate measures that.
 
 Safe when: CPU; ``w`` 2-D of ``x``'s width and floating dtype, ``b`` 1-D of ``w``'s rows (or
-absent); the output at least 32 MiB (below it glibc's heap often serves a warm block). Under
+absent); the output at least ``FLOOR`` (8 MiB, 2048 pages: 1.4-10 ms of page faults at the 0.7-5 us a
+page measured on these machines; a smaller output saves less than its measurement costs). Under
 torch.compile the function runs F.linear (the buffer is the compiler's to plan).
 Contract: exact (the same GEMM, the same backward GEMMs).
 Devices: cpu.
@@ -35,6 +43,11 @@ import torch
 import torch.nn.functional as F
 
 from rewriter.devices.kept_buffers import MMAP_CEILING, KeptBuffers, can_keep
+
+# the smallest output rewritten: a quarter of glibc's largest mmap threshold, so a language
+# model's logits just under it (1024 x 8000 fp32: 31.25 MiB; bf16: 15.6 MiB) are candidates,
+# and a transformer block's own outputs at these sizes (1024 x 704 fp32: 2.75 MiB) are not
+FLOOR = MMAP_CEILING // 4
 from rewriter.pass_api import register_pass
 from rewriter.rules import Match, Rule, RulePass
 
@@ -103,7 +116,7 @@ def output_bytes(m: Match) -> int:
 
 
 def is_large_linear(m: Match) -> bool:
-    """A floating ``x`` of ``w``'s width and dtype (a ``b`` of its rows), output >= 32 MiB."""
+    """A floating ``x`` of ``w``'s width and dtype (a ``b`` of its rows), output >= ``FLOOR``."""
     xi, wi = m.info("x"), m.info("w")
     if xi is None or wi is None or xi.ndim < 1 or wi.ndim != 2 or xi.shape[-1] != wi.shape[1]:
         return False
@@ -113,7 +126,7 @@ def is_large_linear(m: Match) -> bool:
         b = m.info("b")
         if b is None or b.shape != (wi.shape[0],) or b.dtype != wi.dtype:
             return False
-    return output_bytes(m) >= MMAP_CEILING
+    return output_bytes(m) >= FLOOR
 
 
 def _kept(g, m: Match, ctx):

@@ -1,15 +1,15 @@
-"""reuse_linear_output: a Linear above glibc's mmap ceiling writes into a kept buffer (CPU)."""
+"""reuse_linear_output: a Linear with an output of 8 MiB or more writes into a kept buffer (CPU)."""
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import passes.reuse_linear_output as rlo
-from rewriter.devices.kept_buffers import MMAP_CEILING, KeptBuffers
+from rewriter.devices.kept_buffers import KeptBuffers
 from tests.helpers import code, outputs_and_grads, rewrite
 
-# 2 x 128 tokens x 32 769 outputs x 4 bytes: just above 32 MiB; 32 767 just below
-ABOVE, BELOW = MMAP_CEILING // (256 * 4) + 1, MMAP_CEILING // (256 * 4) - 1
+# 2 x 128 tokens x 8193 outputs x 4 bytes: just above 8 MiB; 8191 just below
+ABOVE, BELOW = rlo.FLOOR // (256 * 4) + 1, rlo.FLOOR // (256 * 4) - 1
 
 
 class Head(nn.Module):
@@ -35,14 +35,14 @@ def test_the_large_linear_only_is_rewritten_and_outputs_and_grads_are_exact(fron
     torch.manual_seed(0)
     model, x = Head(ABOVE, bias), torch.randn(2, 128, 32)
     cap, sites = rewrite(model, (x,), "reuse_linear_output", front_end=front_end, training=True)
-    assert len(sites) == 1 and "32 MiB out" in sites[0].description  # the 32->32 projection is not a site
+    assert len(sites) == 1 and "8 MiB out" in sites[0].description  # the 32->32 projection is not a site
     assert "kept_linear" in code(cap)
     params = list(model.parameters())
     for got, want in zip(*[sum(outputs_and_grads(f, (x,), params), []) for f in (cap, model)]):
         torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same GEMMs
 
 
-def test_below_the_ceiling_is_not_a_site():
+def test_below_the_floor_is_not_a_site():
     model, x = Head(BELOW), torch.randn(2, 128, 32)
     _, sites = rewrite(model, (x,), "reuse_linear_output", training=True)
     assert sites == []
