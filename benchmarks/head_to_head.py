@@ -10,12 +10,15 @@ configurations. Here the configuration and the peer are timed against each other
     python -m benchmarks.head_to_head --out <dir>                          # the five, fp32
     python -m benchmarks.head_to_head --models llama --ours optimize_bf16_steps20k \\
         --peers compile_expert_autocast expert_autocast                      # bf16
+    python -m benchmarks.head_to_head --seconds 15 --models llama            # more pairs (30 at most)
     python -m benchmarks.head_to_head --quick                               # tiny sizes: it runs
 
 Each model in a fresh process of its own (an empty Inductor cache and knowledge base): ours is
 prepared first (optimize(), its decisions timed alone), then each peer, each run once; then ours
 against each peer, interleaved (``benchmarks.measure.side_by_side``: the median of paired
-ratios, its noise). Above 1: ours is faster.
+ratios, its noise). Above 1: ours is faster. Each row also gives the fresh host pages each
+step mapped (the median; glibc's heap state in that process, which moves a step by tens of ms
+on a machine where a page costs microseconds: rewriter.decide.fresh_heap).
 """
 from __future__ import annotations
 
@@ -29,15 +32,20 @@ from typing import Sequence
 DEFAULT_MODELS = ("llama", "gpt2", "bert", "qwen2", "distilbert")
 
 
-def versus(model: str, ours: str, peers: Sequence[str], quick: bool) -> dict:
+def versus(model: str, ours: str, peers: Sequence[str], quick: bool, seconds: float | None = None) -> dict:
     """In this process: ``ours`` and each of ``peers`` prepared on copies of one model, then
-    ours against each peer, side by side."""
+    ours against each peer, side by side (``seconds``: each comparison's budget, BENCH_GATE's
+    otherwise)."""
+    import dataclasses
+
     from benchmarks.configs import CONFIGS, Setup
-    from benchmarks.measure import BENCH_GATE, QUICK_GATE, side_by_side
+    from benchmarks.measure import BENCH_GATE, QUICK_GATE, side_by_side, step_faults
     from benchmarks.models import build_case
 
     case = build_case(model, quick=quick, training=True)
     gate = QUICK_GATE if quick else BENCH_GATE
+    if seconds is not None and not quick:
+        gate = dataclasses.replace(gate, budget_seconds=seconds)
     variants = {}
     for name in (ours, *peers):
         variants[name] = CONFIGS[name].prepare(Setup(case, copy.deepcopy(case.model), True, quick))
@@ -46,16 +54,20 @@ def versus(model: str, ours: str, peers: Sequence[str], quick: bool) -> dict:
     rows = []
     for peer in peers:
         m = side_by_side(variants[peer].step, mine.step, gate)
+        faults = step_faults(m) or {}
         rows.append({"peer": peer, "speedup": round(m.speedup, 4), "noise": round(m.noise, 4),
-                     "pairs": m.pairs, "peer_ms": round(m.baseline_ms, 2), "ours_ms": round(m.candidate_ms, 2)})
+                     "pairs": m.pairs, "peer_ms": round(m.baseline_ms, 2), "ours_ms": round(m.candidate_ms, 2),
+                     "peer_fresh_pages": faults.get("eager"), "ours_fresh_pages": faults.get("config")})
     kept = [n for n in mine.notes if n.startswith("kept")]
     return {"model": model, "ours": ours, "rows": rows, "kept": kept}
 
 
-def in_its_own_process(model: str, ours: str, peers: Sequence[str], quick: bool) -> dict:
+def in_its_own_process(model: str, ours: str, peers: Sequence[str], quick: bool,
+                       seconds: float | None = None) -> dict:
     from benchmarks.measure import result_in_fresh_process
     cmd = [sys.executable, "-m", "benchmarks.head_to_head", "--one", model, "--ours", ours,
-           "--peers", *peers] + (["--quick"] if quick else [])
+           "--peers", *peers] + (["--quick"] if quick else []) + \
+        ([] if seconds is None else ["--seconds", str(seconds)])
     return result_in_fresh_process(cmd, {"model": model, "ours": ours}, knowledge_base=True)
 
 
@@ -67,17 +79,25 @@ def markdown(results: list[dict], command: str, machine: dict) -> str:
              "Each model in a fresh process (empty Inductor cache and knowledge base); ours and the "
              "peer interleaved in that process, after their first steps. **ours / peer**: the median "
              "of the paired ratios of the peer's step time over ours (above 1: ours is faster), "
-             "± its noise.", "",
-             "| model | ours | peer | ours / peer | pairs | peer ms | ours ms | kept |", "|---|---|---|---|---|---|---|---|"]
+             "± its noise. **fresh pages**: the median host pages a step mapped afresh, the peer's / ours.", "",
+             "| model | ours | peer | ours / peer | pairs | peer ms | ours ms | fresh pages | kept |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['model']} | {CONFIGS[r['ours']].label} | - | failed: {r['error'][-200:]} | | | | |")
+            lines.append(f"| {r['model']} | {CONFIGS[r['ours']].label} | - | failed: {r['error'][-200:]} | | | | | |")
             continue
         for row in r["rows"]:
             lines.append(f"| {r['model']} | {CONFIGS[r['ours']].label} | {CONFIGS[row['peer']].label} | "
                          f"**{row['speedup']:.2f}x** ±{row['noise']:.2f} | {row['pairs']} | "
-                         f"{row['peer_ms']:.1f} | {row['ours_ms']:.1f} | {'; '.join(r['kept'])} |")
+                         f"{row['peer_ms']:.1f} | {row['ours_ms']:.1f} | {_pages(row)} | {'; '.join(r['kept'])} |")
     return "\n".join(lines) + "\n"
+
+
+def _pages(row: dict) -> str:
+    """The fresh pages a step mapped, the peer's / ours ("-" where not counted)."""
+    def one(n: float | None) -> str:
+        return "-" if n is None else f"{n:.0f}"
+    return f"{one(row.get('peer_fresh_pages'))} / {one(row.get('ours_fresh_pages'))}"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -87,6 +107,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ours", default="optimize_steps20k", choices=CONFIG_NAMES)
     p.add_argument("--peers", nargs="+", default=["compile", "expert"], choices=CONFIG_NAMES)
     p.add_argument("--quick", action="store_true", help="tiny sizes and few pairs: checks it runs")
+    p.add_argument("--seconds", type=float, help="each comparison's time budget (default: BENCH_GATE's "
+                   "5 s, ~10 pairs of 250 ms steps; 30 pairs at most)")
     p.add_argument("--out", help="folder for HEAD_TO_HEAD.md and head_to_head.json")
     p.add_argument("--one", help=argparse.SUPPRESS)  # the child: one model, its result as JSON
     return p.parse_args(argv)
@@ -95,14 +117,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.one:
-        print(json.dumps(versus(args.one, args.ours, args.peers, args.quick)))
+        print(json.dumps(versus(args.one, args.ours, args.peers, args.quick, args.seconds)))
         return 0
     from benchmarks.measure import machine_info, write_result
     command = "python -m benchmarks.head_to_head " + " ".join(sys.argv[1:] if argv is None else argv)
     results = []
     for model in args.models:
         started = time.perf_counter()
-        results.append(in_its_own_process(model, args.ours, args.peers, args.quick))
+        results.append(in_its_own_process(model, args.ours, args.peers, args.quick, args.seconds))
         print(f"[head_to_head] {model}: {time.perf_counter() - started:.0f} s "
               f"{json.dumps(results[-1].get('rows', results[-1].get('error', ''))[:3])[:400]}", flush=True)
     machine = machine_info()

@@ -7,10 +7,14 @@ MACHINE = {"cpu": "AMD EPYC", "cpu_count": 2, "torch": "2.13.0+cpu", "date": "20
 def test_the_table_gives_ours_over_each_peer_and_says_which_model_failed():
     results = [{"model": "llama", "ours": "optimize_steps20k", "kept": ["kept: fuse_attention"],
                 "rows": [{"peer": "compile", "speedup": 1.0873, "noise": 0.0213, "pairs": 10,
-                          "peer_ms": 279.5, "ours_ms": 257.1}]},
+                          "peer_ms": 279.5, "ours_ms": 257.1, "peer_fresh_pages": 8000.0,
+                          "ours_fresh_pages": 0.0},
+                         {"peer": "expert", "speedup": 1.1, "noise": 0.01, "pairs": 10,
+                          "peer_ms": 280.0, "ours_ms": 254.5}]},
                {"model": "gpt2", "ours": "optimize_steps20k", "error": "RuntimeError: out of memory"}]
     text = markdown(results, "python -m benchmarks.head_to_head", MACHINE)
-    assert "| llama | optimize(steps=20000) | torch.compile | **1.09x** ±0.02 | 10 | 279.5 | 257.1 |" in text
+    assert "| llama | optimize(steps=20000) | torch.compile | **1.09x** ±0.02 | 10 | 279.5 | 257.1 | 8000 / 0 |" in text
+    assert "| llama | optimize(steps=20000) | expert | **1.10x** ±0.01 | 10 | 280.0 | 254.5 | - / - |" in text  # not counted
     assert "| gpt2 | optimize(steps=20000) | - | failed: RuntimeError: out of memory |" in text
 
 
@@ -18,3 +22,15 @@ def test_the_defaults_are_the_five_in_fp32_against_both_peers():
     args = parse_args([])
     assert args.ours == "optimize_steps20k" and args.peers == ["compile", "expert"]
     assert args.models == ["llama", "gpt2", "bert", "qwen2", "distilbert"]
+    assert args.seconds is None  # BENCH_GATE's budget
+
+
+def test_a_budget_given_reaches_the_child_process(monkeypatch):
+    import benchmarks.measure
+    from benchmarks.head_to_head import in_its_own_process
+    seen = {}
+    monkeypatch.setattr(benchmarks.measure, "result_in_fresh_process",
+                        lambda cmd, failed, knowledge_base: seen.setdefault("cmd", cmd) and {})
+    in_its_own_process("llama", "optimize_steps20k", ["compile"], False, seconds=15.0)
+    assert seen["cmd"][-2:] == ["--seconds", "15.0"]
+    assert parse_args(["--seconds", "15"]).seconds == 15.0
