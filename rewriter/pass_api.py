@@ -91,6 +91,10 @@ class Pass:
     # Rewrites fp32 ops only (onednn_linear: fp32 GEMMs): not tried while a kept or speculated
     # precision pass runs the graphs in half, where it would only be measured doing nothing.
     full_precision_only: ClassVar[bool] = False
+    # Saves only the host pages a step maps afresh (reuse_linear_output: a kept buffer, the same
+    # GEMM): not tried where the user's step maps few (rewriter.decide.fresh_heap), where its
+    # regions would only be measured saving nothing.
+    saves_fresh_pages_only: ClassVar[bool] = False
 
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
         raise NotImplementedError(f"{type(self).__name__}.find")

@@ -423,7 +423,7 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         return out
 
     def _try(self, p: Pass) -> Decision:
-        why_not = p.applies_to(self.ctx) or self._not_in_precision(p)
+        why_not = p.applies_to(self.ctx) or self._not_in_precision(p) or self._no_fresh_pages(p)
         if why_not:
             return Decision(p.name, False, "not applicable", why_not, scope=p.scope)
         cap = self.cap

@@ -114,10 +114,13 @@ def test_kept_buffers_validate_and_replace_the_oldest():
     assert big.shape == (4, 9) and big._base is None
 
 
-def test_optimize_keeps_it_under_a_faster_clock_and_the_offline_script_writes_it(tmp_path):
+def test_optimize_keeps_it_under_a_faster_clock_and_the_offline_script_writes_it(tmp_path, monkeypatch):
     import rewriter
     from rewriter.capture import graph_export
+    from rewriter.decide import regions
     from tests.controlled import QUICK, ControlledClock
+
+    monkeypatch.setattr(regions, "step_maps_fresh_pages", lambda run, tries: True)  # a trimmed heap
 
     torch.manual_seed(0)
     model, x = Head(ABOVE).eval(), torch.randn(2, 128, 32)
@@ -129,3 +132,22 @@ def test_optimize_keeps_it_under_a_faster_clock_and_the_offline_script_writes_it
     assert "kept_linear" in (tmp_path / graph_export.MODULE_FILE).read_text()
     rewritten = graph_export.load_exported(export.loadable).load(model)
     torch.testing.assert_close(rewritten(x), model(x), rtol=0, atol=0)
+
+
+def test_where_the_step_maps_no_fresh_pages_it_is_not_tried(monkeypatch):
+    """It saves only the pages a step maps afresh: where the step maps few, nothing is measured."""
+    import rewriter
+    from rewriter.decide import regions
+    from tests.controlled import QUICK, ControlledClock
+
+    counted = []
+    monkeypatch.setattr(regions, "step_maps_fresh_pages", lambda run, tries: counted.append(tries) or False)
+    measured = []
+    monkeypatch.setattr(regions, "measure_region", lambda *a, **k: measured.append(1))
+    model, x = Head(ABOVE).eval(), torch.randn(2, 128, 32)
+    fast = rewriter.optimize(model, (x,), passes=["reuse_linear_output"], front_end="fx",
+                             clock=ControlledClock({"reuse_linear_output": 0.5}), gate=QUICK,
+                             progress=False, profile=False, knowledge_base=False, compile=False)
+    (d,) = fast.report.decisions
+    assert (d.pass_name, d.status) == ("reuse_linear_output", "not applicable")
+    assert "maps fewer than 5000" in d.reason and counted == [3] and measured == []

@@ -105,6 +105,19 @@ class Job:
         """One step of the user's job with ``run`` standing in for the model (and ``optimizer``,
         when given, for the job's own)."""
         opt = optimizer if optimizer is not None else self.optimizer
+        if not self.training or opt is None:
+            return self.forward_backward(run)
+
+        def train() -> None:
+            with torch.enable_grad():
+                self.loss(self.call(run)).backward()
+            opt.step()
+            self.zero_grads()
+        return train
+
+    def forward_backward(self, run: Callable[..., Any]) -> Callable[[], None]:
+        """One step without an optimizer's: the forward (training: its loss's backward, the
+        gradients then dropped) with ``run`` standing in for the model."""
         if not self.training:
             def infer() -> None:
                 with torch.no_grad():
@@ -114,8 +127,6 @@ class Job:
         def train() -> None:
             with torch.enable_grad():
                 self.loss(self.call(run)).backward()
-            if opt is not None:
-                opt.step()
             self.zero_grads()
         return train
 

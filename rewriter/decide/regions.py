@@ -18,8 +18,8 @@ from rewriter.capture.record import Recorded, Recorder, RecordingDone
 from rewriter.capture.region import Region, captured_dtype, dtype_of_region, find_regions
 from rewriter.decide import memory
 from rewriter.decide.confirm import KeptUnit
-from rewriter.decide.fresh_heap import STEP_TRIES, step_maps_fresh_pages
-from rewriter.decide.gate import decide, known_verdict, saved_ms
+from rewriter.decide.fresh_heap import FRESH_PAGES, STEP_TRIES, step_maps_fresh_pages
+from rewriter.decide.gate import decide, host_page_faults, known_verdict, saved_ms
 from rewriter.decide.job import VERIFY_SEED, switched
 from rewriter.decide.kept import KeptPass, apply_sites, mode_of, overlay_for
 from rewriter.decide.knowledge import entry_key
@@ -179,6 +179,15 @@ class RegionDecisions:
             return f"rewrites fp32 ops only; the graphs run in {dtype} now (the precision pass)"
         return None
 
+    def _no_fresh_pages(self, p: Pass) -> str | None:
+        """Why ``p``, which saves only fresh pages, is not tried: the user's step maps fewer than
+        FRESH_PAGES in each run counted (:meth:`_fresh_heap`); None where it maps them, or where
+        the host does not count page faults (then its regions are measured)."""
+        if not p.saves_fresh_pages_only or self._fresh_heap() or host_page_faults() is None:
+            return None
+        return (f"saves only the host pages a step maps afresh, and the step maps fewer than "
+                f"{FRESH_PAGES} in each of up to {STEP_TRIES} warm runs")
+
     def _decide_signature(self, p: Pass, sig: str, members: list[tuple[GraphSlot, Region]],
                           values: dict[str, dict[str, Recorded]], overlay: Any, key: str,
                           known: dict | None) -> dict:
@@ -265,17 +274,10 @@ class RegionDecisions:
         (rewriter.decide.fresh_heap); counted once a run."""
         if self._fresh_heap_answer is None:
             job = self.job
-
-            def forward_backward() -> None:
-                with torch.enable_grad() if job.training else torch.no_grad():
-                    out = job.call(job.model)
-                    if job.training:
-                        job.loss(out).backward()
-                job.zero_grads()
             fresh = False
             if job.backend.name == "cpu":  # the host heap: a device's tensors are not on it
                 with self._phase("measure"):
-                    fresh = bool(step_maps_fresh_pages(forward_backward, tries=STEP_TRIES))
+                    fresh = bool(step_maps_fresh_pages(job.forward_backward(job.model), tries=STEP_TRIES))
                 self.snapshot.restore()
             self._fresh_heap_answer = fresh
         return self._fresh_heap_answer
