@@ -31,7 +31,11 @@ gate measures that.
 Safe when: CPU; ``w`` 2-D of ``x``'s width and floating dtype, ``b`` 1-D of ``w``'s rows (or
 absent); the output at least ``FLOOR`` (8 MiB, 2048 pages: 1.4-10 ms of page faults at the 0.7-5 us a
 page measured on these machines; a smaller output saves less than its measurement costs). Under
-torch.compile the function runs F.linear (the buffer is the compiler's to plan).
+torch.compile the function runs F.linear (the buffer is the compiler's to plan): under a kept
+regional compile a graph outside the blocks stays eager only where it runs a set-aside rewrite
+(rewriter.decide.set_aside; an LM head with fuse_cross_entropy kept), so where the head graph
+is compiled this rewrite saves nothing there, its row still "kept" (the compile's figure is
+measured with it in place).
 Contract: exact (the same GEMM, the same backward GEMMs).
 Devices: cpu.
 """
@@ -44,13 +48,13 @@ import torch
 import torch.nn.functional as F
 
 from rewriter.devices.kept_buffers import MMAP_CEILING, KeptBuffers, can_keep
+from rewriter.pass_api import register_pass
+from rewriter.rules import Match, Rule, RulePass
 
 # the smallest output rewritten: a quarter of glibc's largest mmap threshold, so a language
 # model's logits just under it (1024 x 8000 fp32: 31.25 MiB; bf16: 15.6 MiB) are candidates,
 # and a transformer block's own outputs at these sizes (1024 x 704 fp32: 2.75 MiB) are not
 FLOOR = MMAP_CEILING // 4
-from rewriter.pass_api import register_pass
-from rewriter.rules import Match, Rule, RulePass
 
 # two per dtype: the output a caller still holds from the step before, and this step's
 _OUTPUTS = KeptBuffers(slots=2)
