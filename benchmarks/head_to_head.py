@@ -11,6 +11,7 @@ configurations. Here the configuration and the peer are timed against each other
     python -m benchmarks.head_to_head --models llama --ours optimize_bf16_steps20k \\
         --peers compile_expert_autocast expert_autocast                      # bf16
     python -m benchmarks.head_to_head --seconds 15 --models llama            # more pairs (30 at most)
+    python -m benchmarks.head_to_head --repeat 3 --out <dir>                # three fresh processes a model
     python -m benchmarks.head_to_head --quick                               # tiny sizes: it runs
 
 Each model in a fresh process of its own (an empty Inductor cache and knowledge base): ours is
@@ -19,12 +20,18 @@ against each peer, interleaved (``benchmarks.measure.side_by_side``: the median 
 ratios, its noise). Above 1: ours is faster. Each row also gives the fresh host pages each
 step mapped (the median; glibc's heap state in that process, which moves a step by tens of ms
 on a machine where a page costs microseconds: rewriter.decide.fresh_heap).
+
+One process's figure is not the model's: the same pairing moved by more than its in-process
+noise from one fresh process to the next (LLaMA fp32 against torch.compile, 2-core EPYC: 0.95x
+±0.02 in one, 1.06x ±0.03 in another). ``--repeat N`` runs each model in N fresh processes and
+adds, per peer, the median of the processes' figures and their range.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import statistics
 import sys
 import time
 from typing import Sequence
@@ -71,7 +78,18 @@ def in_its_own_process(model: str, ours: str, peers: Sequence[str], quick: bool,
     return result_in_fresh_process(cmd, {"model": model, "ours": ours}, knowledge_base=True)
 
 
-def markdown(results: list[dict], command: str, machine: dict) -> str:
+def over_processes(rounds: list[dict]) -> list[dict]:
+    """Per peer, over one model's processes (a failed one left out): the median of their
+    figures (ours / peer), the lowest and the highest, and how many."""
+    by_peer: dict[str, list[float]] = {}
+    for r in rounds:
+        for row in r.get("rows", []):
+            by_peer.setdefault(row["peer"], []).append(row["speedup"])
+    return [{"peer": peer, "median": round(statistics.median(v), 4), "low": min(v), "high": max(v),
+             "processes": len(v)} for peer, v in by_peer.items()]
+
+
+def markdown(results: list[dict], command: str, machine: dict, summary: list[dict] | None = None) -> str:
     from benchmarks.configs import CONFIGS
     from benchmarks.measure import machine_line
     lines = ["# optimize() against each peer, side by side", "", f"Command: `{command}`", "",
@@ -83,13 +101,21 @@ def markdown(results: list[dict], command: str, machine: dict) -> str:
              "| model | ours | peer | ours / peer | pairs | peer ms | ours ms | fresh pages | kept |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        model = r["model"] + (f", process {r['process']}" if "process" in r else "")
         if "error" in r:
-            lines.append(f"| {r['model']} | {CONFIGS[r['ours']].label} | - | failed: {r['error'][-200:]} | | | | | |")
+            lines.append(f"| {model} | {CONFIGS[r['ours']].label} | - | failed: {r['error'][-200:]} | | | | | |")
             continue
         for row in r["rows"]:
-            lines.append(f"| {r['model']} | {CONFIGS[r['ours']].label} | {CONFIGS[row['peer']].label} | "
+            lines.append(f"| {model} | {CONFIGS[r['ours']].label} | {CONFIGS[row['peer']].label} | "
                          f"**{row['speedup']:.2f}x** ±{row['noise']:.2f} | {row['pairs']} | "
                          f"{row['peer_ms']:.1f} | {row['ours_ms']:.1f} | {_pages(row)} | {'; '.join(r['kept'])} |")
+    if summary:
+        lines += ["", "Over the processes: the median of their figures (ours / peer) and the range.", "",
+                  "| model | ours | peer | ours / peer, median (range) | processes |", "|---|---|---|---|---|"]
+        for m in summary:
+            for row in m["peers"]:
+                lines.append(f"| {m['model']} | {CONFIGS[m['ours']].label} | {CONFIGS[row['peer']].label} | "
+                             f"**{row['median']:.2f}x** ({row['low']:.2f}-{row['high']:.2f}) | {row['processes']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -109,6 +135,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes and few pairs: checks it runs")
     p.add_argument("--seconds", type=float, help="each comparison's time budget (default: BENCH_GATE's "
                    "5 s, ~10 pairs of 250 ms steps; 30 pairs at most)")
+    p.add_argument("--repeat", type=int, default=1, help="fresh processes per model (default 1); "
+                   "above 1, each peer's median over them and their range are added")
     p.add_argument("--out", help="folder for HEAD_TO_HEAD.md and head_to_head.json")
     p.add_argument("--one", help=argparse.SUPPRESS)  # the child: one model, its result as JSON
     return p.parse_args(argv)
@@ -121,15 +149,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from benchmarks.measure import machine_info, write_result
     command = "python -m benchmarks.head_to_head " + " ".join(sys.argv[1:] if argv is None else argv)
-    results = []
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be at least 1, got {args.repeat}")
+    results, summary = [], []
     for model in args.models:
-        started = time.perf_counter()
-        results.append(in_its_own_process(model, args.ours, args.peers, args.quick, args.seconds))
-        print(f"[head_to_head] {model}: {time.perf_counter() - started:.0f} s "
-              f"{json.dumps(results[-1].get('rows', results[-1].get('error', ''))[:3])[:400]}", flush=True)
+        rounds = []
+        for k in range(args.repeat):
+            started = time.perf_counter()
+            rounds.append(in_its_own_process(model, args.ours, args.peers, args.quick, args.seconds))
+            if args.repeat > 1:
+                rounds[-1]["process"] = k + 1
+            print(f"[head_to_head] {model}: {time.perf_counter() - started:.0f} s "
+                  f"{json.dumps(rounds[-1].get('rows', rounds[-1].get('error', ''))[:3])[:400]}", flush=True)
+        results += rounds
+        if args.repeat > 1:
+            summary.append({"model": model, "ours": args.ours, "peers": over_processes(rounds)})
     machine = machine_info()
-    write_result(args.out, "head_to_head", {"command": command, "machine": machine, "results": results},
-                 markdown(results, command, machine))
+    write_result(args.out, "head_to_head",
+                 {"command": command, "machine": machine, "results": results, "over_processes": summary},
+                 markdown(results, command, machine, summary))
     return 1 if any("error" in r for r in results) else 0
 
 

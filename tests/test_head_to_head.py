@@ -1,5 +1,5 @@
 """benchmarks.head_to_head's table: ours against each peer, and a model whose process failed."""
-from benchmarks.head_to_head import markdown, parse_args
+from benchmarks.head_to_head import markdown, over_processes, parse_args
 
 MACHINE = {"cpu": "AMD EPYC", "cpu_count": 2, "torch": "2.13.0+cpu", "date": "2026-12-07"}
 
@@ -22,7 +22,7 @@ def test_the_defaults_are_the_five_in_fp32_against_both_peers():
     args = parse_args([])
     assert args.ours == "optimize_steps20k" and args.peers == ["compile", "expert"]
     assert args.models == ["llama", "gpt2", "bert", "qwen2", "distilbert"]
-    assert args.seconds is None  # BENCH_GATE's budget
+    assert args.seconds is None and args.repeat == 1  # BENCH_GATE's budget, one process a model
 
 
 def test_a_budget_given_reaches_the_child_process(monkeypatch):
@@ -34,3 +34,21 @@ def test_a_budget_given_reaches_the_child_process(monkeypatch):
     in_its_own_process("llama", "optimize_steps20k", ["compile"], False, seconds=15.0)
     assert seen["cmd"][-2:] == ["--seconds", "15.0"]
     assert parse_args(["--seconds", "15"]).seconds == 15.0
+
+
+def _round(process, speedup):
+    return {"model": "llama", "ours": "optimize_steps20k", "kept": [], "process": process,
+            "rows": [{"peer": "compile", "speedup": speedup, "noise": 0.02, "pairs": 10,
+                      "peer_ms": 250.0, "ours_ms": 250.0 / speedup}]}
+
+
+def test_over_processes_the_median_and_range_of_each_peer_and_a_failed_process_left_out():
+    rounds = [_round(1, 1.06), _round(2, 0.95), {"model": "llama", "ours": "optimize_steps20k",
+                                                  "process": 3, "error": "killed"}, _round(4, 1.01)]
+    (compile_row,) = over_processes(rounds)
+    assert compile_row == {"peer": "compile", "median": 1.01, "low": 0.95, "high": 1.06, "processes": 3}
+    summary = [{"model": "llama", "ours": "optimize_steps20k", "peers": [compile_row]}]
+    text = markdown(rounds, "python -m benchmarks.head_to_head --repeat 4", MACHINE, summary)
+    assert "| llama, process 2 | optimize(steps=20000) | torch.compile | **0.95x** ±0.02 |" in text
+    assert "| llama, process 3 | optimize(steps=20000) | - | failed: killed |" in text
+    assert "| llama | optimize(steps=20000) | torch.compile | **1.01x** (0.95-1.06) | 3 |" in text
