@@ -139,7 +139,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "above 1, each peer's median over them and their range are added")
     p.add_argument("--out", help="folder for HEAD_TO_HEAD.md and head_to_head.json")
     p.add_argument("--one", help=argparse.SUPPRESS)  # the child: one model, its result as JSON
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -149,8 +152,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from benchmarks.measure import machine_info, write_result
     command = "python -m benchmarks.head_to_head " + " ".join(sys.argv[1:] if argv is None else argv)
-    if args.repeat < 1:
-        raise SystemExit(f"--repeat must be at least 1, got {args.repeat}")
     results, summary = [], []
     for model in args.models:
         rounds = []

@@ -1,4 +1,6 @@
 """benchmarks.head_to_head's table: ours against each peer, and a model whose process failed."""
+import pytest
+
 from benchmarks.head_to_head import markdown, over_processes, parse_args
 
 MACHINE = {"cpu": "AMD EPYC", "cpu_count": 2, "torch": "2.13.0+cpu", "date": "2026-12-07"}
@@ -23,6 +25,8 @@ def test_the_defaults_are_the_five_in_fp32_against_both_peers():
     assert args.ours == "optimize_steps20k" and args.peers == ["compile", "expert"]
     assert args.models == ["llama", "gpt2", "bert", "qwen2", "distilbert"]
     assert args.seconds is None and args.repeat == 1  # BENCH_GATE's budget, one process a model
+    with pytest.raises(SystemExit):  # argparse's error, before any process is started
+        parse_args(["--repeat", "0"])
 
 
 def test_a_budget_given_reaches_the_child_process(monkeypatch):
