@@ -5,8 +5,9 @@ docstring says what it rewrites into what, when it is safe, its numeric contract
 ``passes/README.md`` has the table.
 
 The order matters where one rewrite exposes or hides another: projections are merged first,
-then attention (its softmax must still be there), then norms and activations, then the
-layout and matmul forms.
+then attention (its softmax must still be there), then norms and activations, then a scale
+moved off a Linear's wide output (before the passes that take a bare LM head: the fused losses,
+the kept output buffer), then the layout and matmul forms.
 """
 import importlib
 
@@ -19,6 +20,7 @@ PASS_MODULES = (
     "fuse_gelu",
     "fuse_swiglu",
     "fuse_rotary_embedding",
+    "fold_output_scale",
     "fuse_linear_cross_entropy",
     "fuse_cross_entropy",
     "fuse_one_hot",

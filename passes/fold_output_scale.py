@@ -1,0 +1,118 @@
+"""fold_output_scale: a Linear's output scaled by a number, the scale moved to the Linear's input.
+
+A rule table (``rewriter.rules``; ``w`` 2-D (out, in) with ``out > in``, ``b`` 1-D (out,) or
+absent, ``c`` a number known when the graph is captured)::
+
+    F.linear(x, w, b) * c   ->  F.linear(x * c, w, b * c)      (c * F.linear(...) alike)
+    F.linear(x, w) * c      ->  F.linear(x * c, w)
+    F.linear(x, w, b) / c   ->  F.linear(x / c, w, b / c)
+    F.linear(x, w) / c      ->  F.linear(x / c, w)
+    c == 1                  ->  the Linear alone
+
+A language model that scales its logits (Granite's ``logits / logits_scaling``, Cohere's
+``logits * logit_scale``) passes over the [tokens, vocab] logits once more in forward and once
+in backward, to scale what could have been scaled as [tokens, hidden]: 1024 tokens x 8000 words
+against 256 wide is 31 times the bytes, and the scaled copy is a fresh [tokens, vocab] block
+(fresh pages on CPU, rewriter.devices.kept_buffers). The NPU tuning recipe of moving a scalar to
+the smaller operand of a MatMul. With the scale gone, the head is a bare ``F.linear`` that
+``reuse_linear_output`` and ``fuse_linear_cross_entropy`` can take.
+
+Safe when: ``c`` a finite, non-zero number (a literal, a constant 0-d tensor, a scalar computed
+from shapes), not a tensor the step computes; the output wider than the input (elsewhere moving
+the scale saves nothing); no cast between the Linear and the scale (it would move the scale into
+another precision); a plain division (no ``rounding_mode``).
+Contract: exact (scaling by a power of two, 1 included, commutes with the GEMM exactly; any other
+number moves one rounding: fp32 rounding differences only).
+Devices: cpu, cuda, npu (an elementwise scale and F.linear on all three).
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch.nn.functional as F
+
+from rewriter.capture.ir import tensor_info
+from rewriter.pass_api import PassContext, register_pass
+from rewriter.rules import Match, Rule, RulePass
+
+
+def mul_bias_pattern(x, w, b, c):
+    return F.linear(x, w, b) * c
+
+
+def mul_pattern(x, w, c):
+    return F.linear(x, w) * c
+
+
+def div_bias_pattern(x, w, b, c):
+    return F.linear(x, w, b) / c
+
+
+def div_pattern(x, w, c):
+    return F.linear(x, w) / c
+
+
+def is_widening_linear(m: Match) -> bool:
+    """A 2-D weight of ``x``'s width with more outputs than inputs, a bias of its outputs, and
+    the scale computed in the Linear's own dtype (no cast looked through between them)."""
+    xi, wi, out = m.info("x"), m.info("w"), tensor_info(m.root)
+    lin = tensor_info(m.node("linear"))
+    if xi is None or wi is None or out is None or lin is None or wi.ndim != 2:
+        return False
+    if xi.ndim < 1 or xi.shape[-1] != wi.shape[1] or wi.shape[0] <= wi.shape[1] or out.dtype != lin.dtype:
+        return False
+    if m.root.kwargs.get("rounding_mode") is not None or len(m.root.args) > 2:
+        return False
+    if "b" in m.values:
+        b = m.info("b")
+        return b is not None and tuple(b.shape) == (wi.shape[0],)
+    return True
+
+
+def is_number_scale(m: Match) -> bool:
+    """``c`` is a number fixed at capture (a tensor the step computes, SwiGLU's ``silu(g) * up(x)``,
+    is not a scale)."""
+    return m.number("c") is not None
+
+
+def can_fold_scale(m: Match, ctx: PassContext) -> str | None:
+    c = m.number("c")
+    if c == 0.0 or not math.isfinite(c):
+        return f"the scale is {c}: not folded (inf and nan would not propagate alike)"
+    return None
+
+
+def _folded(op):
+    def replacement(g, m: Match, ctx):
+        if m.number("c") == 1.0:  # x * 1 and x / 1 are x, exactly
+            scaled = (m["x"],) + ((m["b"],) if "b" in m.values else ())
+        else:  # the original scale argument (a number or its 0-d tensor), so dtypes behave alike
+            scaled = tuple(g.call_function(op, (m[k], m["c"])) for k in ("x", "b") if k in m.values)
+        return g.call_function(F.linear, (scaled[0], m["w"]) + scaled[1:])
+    return replacement
+
+
+def _describe(m: Match) -> str:
+    out, inp = m.info("w").shape
+    return f"linear {inp}->{out} {'/' if m.rule.pattern in (div_pattern, div_bias_pattern) else '*'} {m.number('c'):g}"
+
+
+_MUL, _DIV = _folded(operator.mul), _folded(operator.truediv)
+RULES = (  # with the bias first: it claims the call before the bare rule can
+    Rule("scaled_linear", mul_bias_pattern, _MUL, (is_number_scale, is_widening_linear), (can_fold_scale,), _describe),
+    Rule("scaled_linear", mul_pattern, _MUL, (is_number_scale, is_widening_linear), (can_fold_scale,), _describe),
+    Rule("scaled_linear", div_bias_pattern, _DIV, (is_number_scale, is_widening_linear), (can_fold_scale,), _describe),
+    Rule("scaled_linear", div_pattern, _DIV, (is_number_scale, is_widening_linear), (can_fold_scale,), _describe),
+)
+
+
+class FoldOutputScale(RulePass):
+    name = "fold_output_scale"
+    contract = "exact"
+    devices = frozenset({"cpu", "cuda", "npu"})
+    rules = RULES
+    saves_at_most = 0.5  # the GEMMs stay; the scale's passes over the wide output go
+
+
+register_pass(FoldOutputScale())
