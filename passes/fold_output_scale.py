@@ -20,7 +20,7 @@ the smaller operand of a MatMul. With the scale gone, the head is a bare ``F.lin
 Safe when: ``c`` a finite, non-zero number (a literal, a constant 0-d tensor, a scalar computed
 from shapes), not a tensor the step computes; the output wider than the input (elsewhere moving
 the scale saves nothing); no cast between the Linear and the scale (it would move the scale into
-another precision); a plain division (no ``rounding_mode``).
+another precision); a plain division (no ``rounding_mode``) and no ``out=``.
 Contract: exact (scaling by a power of two, 1 included, commutes with the GEMM exactly; any other
 number moves one rounding: fp32 rounding differences only).
 Devices: cpu, cuda, npu (an elementwise scale and F.linear on all three).
@@ -62,7 +62,7 @@ def is_widening_linear(m: Match) -> bool:
         return False
     if xi.ndim < 1 or xi.shape[-1] != wi.shape[1] or wi.shape[0] <= wi.shape[1] or out.dtype != lin.dtype:
         return False
-    if m.root.kwargs.get("rounding_mode") is not None or len(m.root.args) > 2:
+    if any(m.root.kwargs.get(k) is not None for k in ("rounding_mode", "out")) or len(m.root.args) > 2:
         return False
     if "b" in m.values:
         b = m.info("b")

@@ -84,10 +84,13 @@ class NotSites(nn.Module):
             return z / 8.0, z
         if c == "floor_division":
             return torch.div(self.wide(x), 8.0, rounding_mode="floor")
+        if c == "reciprocal":  # c / linear is not a scale of it
+            return 8.0 / self.wide(x)
         raise AssertionError(c)
 
 
-@pytest.mark.parametrize("case", ["narrowing", "tensor_scale", "cast_between", "read_elsewhere", "floor_division"])
+@pytest.mark.parametrize("case", ["narrowing", "tensor_scale", "cast_between", "read_elsewhere", "floor_division",
+                                  "reciprocal"])
 def test_not_a_site(case):
     model = NotSites(case)
     args = (torch.randn(3, 16), torch.randn(3, 64))
