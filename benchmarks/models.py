@@ -161,6 +161,12 @@ _HELDOUT_2 = {
     "albert": ("AlbertForMaskedLM", _sized("AlbertConfig", **_ENCODER, embedding_size=lambda s: s.hidden // 2)),
     "xlm_roberta": ("XLMRobertaForMaskedLM", _sized("XLMRobertaConfig", **{**_ENCODER,
                                                                           "max_position_embeddings": lambda s: s.seq + 2})),
+    # logits scaled by a number (fold_output_scale, stop 63): Cohere's logit_scale (its default,
+    # 0.0625); Granite with the multipliers of IBM's released Granite 3 configs (its defaults: 1.0)
+    "cohere": ("CohereForCausalLM", _sized("CohereConfig", **_GQA)),
+    "granite_scaled": ("GraniteForCausalLM", _sized("GraniteConfig", **_GQA, logits_scaling=8.0,
+                                                    embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                    attention_multiplier=0.015625)),
 }
 
 _TRANSFORMERS = {"gpt2": ("GPT2LMHeadModel", _gpt2_config),
