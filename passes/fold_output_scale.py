@@ -20,7 +20,8 @@ the smaller operand of a MatMul. With the scale gone, the head is a bare ``F.lin
 Safe when: ``c`` a finite, non-zero number (a literal, a constant 0-d tensor, a scalar computed
 from shapes), not a tensor the step computes; the output wider than the input (elsewhere moving
 the scale saves nothing); no cast between the Linear and the scale (it would move the scale into
-another precision); a plain division (no ``rounding_mode``) and no ``out=``.
+another precision); a plain division (no ``rounding_mode``) and no ``out=``; not the division of
+Gemma-2's logit cap ``c * tanh(z / c)`` (left whole for ``fuse_linear_cross_entropy``).
 Contract: exact (scaling by a power of two, 1 included, commutes with the GEMM exactly; any other
 number moves one rounding: fp32 rounding differences only).
 Devices: cpu, cuda, npu (an elementwise scale and F.linear on all three).
@@ -32,7 +33,7 @@ import operator
 
 import torch.nn.functional as F
 
-from rewriter.capture.ir import tensor_info
+from rewriter.capture.ir import is_op, tensor_info
 from rewriter.pass_api import PassContext, register_pass
 from rewriter.rules import Match, Rule, RulePass
 
@@ -76,6 +77,12 @@ def is_number_scale(m: Match) -> bool:
     return m.number("c") is not None
 
 
+def is_not_a_softcap(m: Match) -> bool:
+    """Not Gemma-2's ``c * tanh(z / c)``: fuse_linear_cross_entropy takes the head with its cap
+    whole (the fold would leave it ``tanh(F.linear(x / c, w))``, a form it does not match)."""
+    return not any(is_op(u, "tanh") for u in m.root.users)
+
+
 def can_fold_scale(m: Match, ctx: PassContext) -> str | None:
     c = m.number("c")
     if c == 0.0 or not math.isfinite(c):
@@ -100,10 +107,10 @@ def _describe(m: Match) -> str:
 
 _MUL, _DIV = _folded(operator.mul), _folded(operator.truediv)
 RULES = (  # with the bias first: it claims the call before the bare rule can
-    Rule("scaled_linear", mul_bias_pattern, _MUL, (is_number_scale, is_widening_linear), (can_fold_scale,), _describe),
-    Rule("scaled_linear", mul_pattern, _MUL, (is_number_scale, is_widening_linear), (can_fold_scale,), _describe),
-    Rule("scaled_linear", div_bias_pattern, _DIV, (is_number_scale, is_widening_linear), (can_fold_scale,), _describe),
-    Rule("scaled_linear", div_pattern, _DIV, (is_number_scale, is_widening_linear), (can_fold_scale,), _describe),
+    Rule("scaled_linear", mul_bias_pattern, _MUL, (is_number_scale, is_widening_linear, is_not_a_softcap), (can_fold_scale,), _describe),
+    Rule("scaled_linear", mul_pattern, _MUL, (is_number_scale, is_widening_linear, is_not_a_softcap), (can_fold_scale,), _describe),
+    Rule("scaled_linear", div_bias_pattern, _DIV, (is_number_scale, is_widening_linear, is_not_a_softcap), (can_fold_scale,), _describe),
+    Rule("scaled_linear", div_pattern, _DIV, (is_number_scale, is_widening_linear, is_not_a_softcap), (can_fold_scale,), _describe),
 )
 
 

@@ -86,11 +86,13 @@ class NotSites(nn.Module):
             return torch.div(self.wide(x), 8.0, rounding_mode="floor")
         if c == "reciprocal":  # c / linear is not a scale of it
             return 8.0 / self.wide(x)
+        if c == "softcap":  # Gemma-2's logit cap: fuse_linear_cross_entropy's, whole
+            return torch.tanh(self.wide(x) / 30.0) * 30.0
         raise AssertionError(c)
 
 
 @pytest.mark.parametrize("case", ["narrowing", "tensor_scale", "cast_between", "read_elsewhere", "floor_division",
-                                  "reciprocal"])
+                                  "reciprocal", "softcap"])
 def test_not_a_site(case):
     model = NotSites(case)
     args = (torch.randn(3, 16), torch.randn(3, 64))
