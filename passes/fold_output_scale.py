@@ -13,9 +13,9 @@ A language model that scales its logits (Granite's ``logits / logits_scaling``, 
 ``logits * logit_scale``) passes over the [tokens, vocab] logits once more in forward and once
 in backward, to scale what could have been scaled as [tokens, hidden]: 1024 tokens x 8000 words
 against 256 wide is 31 times the bytes, and the scaled copy is a fresh [tokens, vocab] block
-(fresh pages on CPU, rewriter.devices.kept_buffers). The NPU tuning recipe of moving a scalar to
-the smaller operand of a MatMul. With the scale gone, the head is a bare ``F.linear`` that
-``reuse_linear_output`` and ``fuse_linear_cross_entropy`` can take.
+(fresh pages on CPU, rewriter.devices.kept_buffers). The scalar goes to the GEMM's smaller
+operand instead; with it gone, the head is a bare ``F.linear`` that ``reuse_linear_output`` and
+``fuse_linear_cross_entropy`` can take. Granite's fp32 head region, 2-core AMD EPYC: 1.14x.
 
 Safe when: ``c`` a finite, non-zero number (a literal, a constant 0-d tensor, a scalar computed
 from shapes), not a tensor the step computes; the output wider than the input (elsewhere moving
