@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from rewriter.capture.ir import is_op, tensor_info
 from rewriter.pass_api import PassContext, register_pass
-from rewriter.rules import Match, Rule, RulePass
+from rewriter.rules import Match, Rule, RulePass, linear_in_out
 
 
 def mul_bias_pattern(x, w, b, c):
@@ -57,18 +57,11 @@ def div_pattern(x, w, c):
 def is_widening_linear(m: Match) -> bool:
     """A 2-D weight of ``x``'s width with more outputs than inputs, a bias of its outputs, and
     the scale computed in the Linear's own dtype (no cast looked through between them)."""
-    xi, wi, out = m.info("x"), m.info("w"), tensor_info(m.root)
-    lin = tensor_info(m.node("linear"))
-    if xi is None or wi is None or out is None or lin is None or wi.ndim != 2:
+    io, out, lin = linear_in_out(m), tensor_info(m.root), tensor_info(m.node("linear"))
+    if io is None or out is None or lin is None or io[1] <= io[0] or out.dtype != lin.dtype:
         return False
-    if xi.ndim < 1 or xi.shape[-1] != wi.shape[1] or wi.shape[0] <= wi.shape[1] or out.dtype != lin.dtype:
-        return False
-    if any(m.root.kwargs.get(k) is not None for k in ("rounding_mode", "out")) or len(m.root.args) > 2:
-        return False
-    if "b" in m.values:
-        b = m.info("b")
-        return b is not None and tuple(b.shape) == (wi.shape[0],)
-    return True
+    return not (any(m.root.kwargs.get(k) is not None for k in ("rounding_mode", "out"))
+                or len(m.root.args) > 2)
 
 
 def is_number_scale(m: Match) -> bool:

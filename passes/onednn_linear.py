@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from rewriter.devices.onednn_linear import linear, unavailable
 from rewriter.pass_api import PassContext, register_pass
-from rewriter.rules import Match, Rule, RulePass
+from rewriter.rules import Match, Rule, RulePass, linear_in_out
 
 
 def linear_bias_pattern(x, w, b):
@@ -57,25 +57,13 @@ def _weight(m: Match) -> str:
     return "w" if "w" in m.values else "v"
 
 
-def _in_out(m: Match) -> tuple[int, int] | None:
-    """(in, out) features of the match's weight."""
-    wi = m.info(_weight(m))
-    if wi is None or wi.ndim != 2:
-        return None
-    return (wi.shape[1], wi.shape[0]) if _weight(m) == "w" else tuple(wi.shape)
-
-
 def is_fp32_linear(m: Match) -> bool:
     """fp32 ``x`` of the weight's input width, the weight 2-D, ``b`` (if any) fp32 of its outputs."""
-    xi, io = m.info("x"), _in_out(m)
-    if xi is None or io is None or xi.ndim < 1 or xi.shape[-1] != io[0]:
+    if linear_in_out(m, _weight(m)) is None:
         return False
-    if xi.dtype != torch.float32 or m.info(_weight(m)).dtype != torch.float32:
+    if m.info("x").dtype != torch.float32 or m.info(_weight(m)).dtype != torch.float32:
         return False
-    if "b" in m.values:
-        b = m.info("b")
-        return b is not None and b.shape == (io[1],) and b.dtype == torch.float32
-    return True
+    return "b" not in m.values or m.info("b").dtype == torch.float32
 
 
 def _onednn(g, m: Match, ctx):
@@ -84,7 +72,7 @@ def _onednn(g, m: Match, ctx):
 
 
 def _describe(m: Match) -> str:
-    inp, out = _in_out(m)
+    inp, out = linear_in_out(m, _weight(m))
     return f"linear {inp}->{out}"
 
 

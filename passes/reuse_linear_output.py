@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from rewriter.devices.kept_buffers import MMAP_CEILING, KeptBuffers, can_keep
 from rewriter.pass_api import register_pass
-from rewriter.rules import Match, Rule, RulePass
+from rewriter.rules import Match, Rule, RulePass, linear_in_out
 
 # the smallest output rewritten: a quarter of glibc's largest mmap threshold, so a language
 # model's logits just under it (1024 x 8000 fp32: 31.25 MiB; bf16: 15.6 MiB) are candidates,
@@ -122,15 +122,13 @@ def output_bytes(m: Match) -> int:
 
 def is_large_linear(m: Match) -> bool:
     """A floating ``x`` of ``w``'s width and dtype (a ``b`` of its rows), output >= ``FLOOR``."""
-    xi, wi = m.info("x"), m.info("w")
-    if xi is None or wi is None or xi.ndim < 1 or wi.ndim != 2 or xi.shape[-1] != wi.shape[1]:
+    if linear_in_out(m) is None:
         return False
+    xi, wi = m.info("x"), m.info("w")
     if xi.dtype != wi.dtype or not xi.dtype.is_floating_point:
         return False
-    if "b" in m.values:
-        b = m.info("b")
-        if b is None or b.shape != (wi.shape[0],) or b.dtype != wi.dtype:
-            return False
+    if "b" in m.values and m.info("b").dtype != wi.dtype:
+        return False
     return output_bytes(m) >= FLOOR
 
 

@@ -206,6 +206,23 @@ def cast_to(g: Graph, value: Node, dtype: torch.dtype | None) -> Node:
     return g.call_method("to", (value, dtype))
 
 
+def linear_in_out(m: Match, weight: str = "w") -> tuple[int, int] | None:
+    """(in, out) features of a match's linear: the ``weight`` wildcard 2-D (``"w"`` laid out
+    (out, in), as F.linear takes it; ``"v"`` (in, out), as a matmul does), ``x`` of its input
+    width, ``b`` (when the rule binds one) 1-D of its outputs; None when the shapes do not fit."""
+    xi, wi = m.info("x"), m.info(weight)
+    if xi is None or wi is None or wi.ndim != 2 or xi.ndim < 1:
+        return None
+    n_in, n_out = (wi.shape[1], wi.shape[0]) if weight == "w" else (wi.shape[0], wi.shape[1])
+    if xi.shape[-1] != n_in:
+        return None
+    if "b" in m.values:
+        b = m.info("b")
+        if b is None or tuple(b.shape) != (n_out,):
+            return None
+    return n_in, n_out
+
+
 def computed_dtype(m: Match) -> torch.dtype | None:
     """The dtype the matched expression computes in: its root's."""
     info = tensor_info(m.root)
@@ -213,4 +230,4 @@ def computed_dtype(m: Match) -> torch.dtype | None:
 
 
 __all__ = ["AUTOGRAD_FUNCTION", "Match", "Pattern", "Rule", "RulePass", "canonical", "cast_to", "close",
-           "computed_dtype", "is_optional_link", "match_rules", "number", "strip_links"]
+           "computed_dtype", "is_optional_link", "linear_in_out", "match_rules", "number", "strip_links"]
