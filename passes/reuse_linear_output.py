@@ -15,7 +15,8 @@ fp32 is 31.25 MiB, just under the ceiling, and LLaMA's LM head took 61-86 ms a s
 its step mapped afresh, 26 ms where it mapped none (2-core AMD EPYC, one process, 6 profiled
 steps, each mapping 12 000-13 500 fresh pages but the first; ``FLOOR``). The gate times a
 region from a trimmed heap where the step maps fresh pages (rewriter.decide.fresh_heap), as it
-runs otherwise, and keeps it where the pages show; where the step maps few (under 5000 in each
+runs otherwise, and keeps it where the pages show (in training timing the forward only:
+the backward is F.linear's, the same in both forms); where the step maps few (under 5000 in each
 of up to three warm runs) it is not tried at all (``saves_fresh_pages_only``). One
 [1024, 32 000] fp32 matmul output, 2-core Xeon without AMX (``.diag/logits_buf.py``): 76 ms on
 fresh pages, 53 ms on kept ones. ``kept_linear`` runs the GEMM F.linear runs (``addmm``/``mm``
@@ -156,6 +157,7 @@ class ReuseLinearOutput(RulePass):
     # run's budget goes to passes that can save more of their regions first
     saves_at_most = 0.35
     saves_fresh_pages_only = True  # not tried where the step maps few (its regions would show nothing)
+    same_backward = True  # F.linear's backward GEMMs: its regions are timed forward only
 
 
 register_pass(ReuseLinearOutput())

@@ -95,6 +95,11 @@ class Pass:
     # GEMM): not tried where the user's step maps few (rewriter.decide.fresh_heap), where its
     # regions would only be measured saving nothing.
     saves_fresh_pages_only: ClassVar[bool] = False
+    # Its replacement's backward runs the original's ops (reuse_linear_output: F.linear's
+    # GEMMs): in training its regions are timed forward only, the part it changes (the
+    # backward would add the same time to both sides, and its noise; an LM head's is two of
+    # its three GEMMs). They are verified forward and backward all the same.
+    same_backward: ClassVar[bool] = False
 
     def find(self, gm: GraphModule, ctx: PassContext) -> list[Site]:
         raise NotImplementedError(f"{type(self).__name__}.find")

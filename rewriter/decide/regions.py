@@ -253,8 +253,10 @@ class RegionDecisions:
                                settings=self.settings.gate, min_speedup=self.settings.min_speedup,
                                forms=self._forms(r, overlay), deadline=self.decide_by,
                                original_seconds=None if once_ms is None else once_ms / 1e3,
-                               fresh_heap=self._fresh_heap())
+                               fresh_heap=self._fresh_heap(), forward_only=self._forward_only(p))
         keep, reason = decide(m, self.settings.min_speedup, self.settings.gate.noise_widths)
+        if self._forward_only(p):
+            reason = f"{reason}; forward only, its backward the original's"
         keep, reason = self._negligible(keep, reason, m.saved_ms * _calls(members))
         figures = m.to_dict()  # finite figures or None (no pair: a warm-up the budget cut short)
         saved = saved_ms(figures)
@@ -282,9 +284,15 @@ class RegionDecisions:
             self._fresh_heap_answer = fresh
         return self._fresh_heap_answer
 
+    def _forward_only(self, p: Pass) -> bool:
+        """Whether ``p``'s regions are timed without their backward (``Pass.same_backward``)."""
+        return self.job.training and p.same_backward
+
     def _region_key(self, p: Pass, r: Region, precision: str | None) -> str:
         extra = {**self.job.backend.knowledge_key(), "region timing": REGION_TIMING,
                  "heap": "trimmed" if self._fresh_heap() else "as it runs"}
+        if self._forward_only(p):  # its figures are a forward's, not to be read as the whole's
+            extra["timed"] = "forward only"
         if precision is not None:  # both forms were timed with the precision pass's casts in
             extra["precision passes"] = ",".join(f"{q.name} v{q.version}" for q in self.passes
                                                  if q.sets_precision)
@@ -362,7 +370,8 @@ class RegionDecisions:
         if once is None or self.decide_by is None:
             return ""
         left = self.decide_by - time.perf_counter()
-        need = least_measuring_seconds(once / 1e3, self.settings.gate, p.saves_at_most)
+        need = least_measuring_seconds(once / 1e3, self.settings.gate, p.saves_at_most,
+                                       self._forward_only(p))
         if need <= left:
             return ""
         return (f"the time budget ran out before measuring it: {max(left, 0.0):.1f} s left, its "

@@ -63,8 +63,8 @@ class RegionCall:
     """One region form, ready to run on prepared inputs (forward, or forward + backward)."""
 
     def __init__(self, gm: GraphModule, values: list[Recorded], training: bool,
-                 float64: bool = False) -> None:
-        self.gm, self.training = gm, training
+                 float64: bool = False, forward_only: bool = False) -> None:
+        self.gm, self.training, self.forward_only = gm, training, forward_only
         self.inputs: list[Any] = []
         self.grad_inputs: list[int] = []
         for i, r in enumerate(values):
@@ -82,10 +82,12 @@ class RegionCall:
         self._cotangents: dict[int, torch.Tensor] = {}
 
     def run(self) -> tuple[tuple, tuple]:
-        """One run, what is timed: the outputs and the input gradients (training)."""
+        """One run, what is timed: the outputs and the input gradients (training; with
+        ``forward_only``, the forward as training runs it, saving for a backward not run)."""
         with torch.enable_grad() if self.training else torch.no_grad():
             outs = self.gm(*self.inputs)
-            grads = self._backward(outs) if self.training and self.grad_inputs else ()
+            backward = self.training and self.grad_inputs and not self.forward_only
+            grads = self._backward(outs) if backward else ()
         return outs, grads
 
     def __call__(self) -> dict[str, torch.Tensor]:
@@ -207,18 +209,26 @@ def measure_region(region: Region, values: list[Recorded], training: bool, *, cl
                    settings: GateSettings, min_speedup: float,
                    forms: tuple[GraphModule, GraphModule] | None = None,
                    deadline: float | None = None,
-                   original_seconds: float | None = None, fresh_heap: bool = False) -> Measurement:
+                   original_seconds: float | None = None, fresh_heap: bool = False,
+                   forward_only: bool = False) -> Measurement:
     """Interleaved A/B of the two forms, each sample long enough for the timer (repeats).
 
     ``original_seconds``: one call of the original, timed already (:func:`original_ms`), so
     the original has had its first call and its repeats need no timing of their own.
     ``fresh_heap``: the user's step maps fresh pages (rewriter.decide.fresh_heap); then, if the
     original region itself does (:func:`maps_fresh_pages`), each sample of either form starts
-    from a trimmed heap (:func:`heap_as_a_step_leaves_it`)."""
+    from a trimmed heap (:func:`heap_as_a_step_leaves_it`). ``forward_only`` (training): both
+    forms timed without their backward (``Pass.same_backward``); ``original_seconds``, a
+    forward and backward's, is then timed again, forward only.
+
+    Each form has had a first call before the warm-up (allocator, kernels picked); a sample
+    of one long call (an LM head's) then needs one warm-up round, not two: 0.15 s of each
+    comparison on Granite's fp32 head (~80 ms a call, 2-core AMD EPYC)."""
     before, after = forms or (region.before, region.after)
-    a, b = RegionCall(before, values, training), RegionCall(after, values, training)
+    a = RegionCall(before, values, training, forward_only=forward_only)
+    b = RegionCall(after, values, training, forward_only=forward_only)
     with torch.random.fork_rng(devices=[]):
-        if original_seconds is None:  # its first call comes with the timing
+        if original_seconds is None or (forward_only and training):  # the first call is timed
             original_seconds = one_call_ms(a.run, clock) / 1e3
         else:
             a.run()  # its cotangents drawn (its first call came with the earlier timing)
@@ -235,6 +245,8 @@ def measure_region(region: Region, values: list[Recorded], training: bool, *, cl
                                            max_pairs=max(settings.max_pairs, settings.region_max_pairs),
                                            min_pairs=fewest)
         long_samples = fewest == settings.min_pairs  # samples like a step's (an LM head's)
+        if long_samples:
+            quick_warmup = dataclasses.replace(quick_warmup, warmup=1)
         return measure(base, cand, clock=clock, settings=quick_warmup, min_speedup=min_speedup,
                        deadline=deadline,
                        enough=conclusive_or_on_the_line(min_speedup, settings.region_indifference,
@@ -253,7 +265,7 @@ def region_fewest_pairs(original_seconds: float, settings: GateSettings) -> int:
 
 
 def least_measuring_seconds(original_seconds: float, settings: GateSettings,
-                            saves_at_most: float = 1.0) -> float:
+                            saves_at_most: float = 1.0, forward_only: bool = False) -> float:
     """The least a region's comparison can take: its warm-up runs and fewest pairs, each pair
     a sample of the original (one call, or the repeats that make ``region_sample_seconds``)
     and one of the replacement at its fastest (``saves_at_most``: the share of the original
@@ -261,10 +273,21 @@ def least_measuring_seconds(original_seconds: float, settings: GateSettings,
     ends the comparison before any verdict: LLaMA 32k at steps=100 spent 3.6 s verifying and
     timing the kept LM-head output (~0.2 s a call, a third of it saved at most) for one pair
     and "not reached". A lower bound, so nothing that could finish is left out: the loss
-    (~0.11 s a call, 3.4x faster) took 1.3 s where the original alone gives 0.9 s."""
+    (~0.11 s a call, 3.4x faster) took 1.3 s where the original alone gives 0.9 s.
+    ``forward_only``: ``original_seconds`` is a forward and backward's, the samples forward
+    only, taken as ``FORWARD_SHARE`` of it."""
+    if forward_only:
+        original_seconds *= FORWARD_SHARE
     sample = max(original_seconds, settings.region_sample_seconds)
     fewest = region_fewest_pairs(original_seconds, settings)
-    return sample * (2 - saves_at_most) * (settings.warmup + fewest)
+    warm_up = 1 if fewest == settings.min_pairs else settings.warmup  # as measure_region's
+    return sample * (2 - saves_at_most) * (warm_up + fewest)
+
+
+# A training region's forward, as a share of its forward and backward, where only the forward
+# is timed (Pass.same_backward): a Linear's, one GEMM of its three (reuse_linear_output's, the
+# one such pass). A lower bound's input, so it errs towards measuring.
+FORWARD_SHARE = 1 / 3
 
 
 def original_ms(region: Region, values: list[Recorded], training: bool, *, clock: Clock,
