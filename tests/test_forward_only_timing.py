@@ -8,7 +8,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import rewriter
 from rewriter.capture.record import Recorded
