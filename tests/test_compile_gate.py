@@ -54,7 +54,8 @@ class FakeCompiler:
 
 def _opt(model, inputs, clock, compile, **kw):
     kw.setdefault("knowledge_base", False)
-    return rewriter.optimize(model, inputs, clock=clock, gate=QUICK, profile=False, progress=False,
+    kw.setdefault("gate", QUICK)
+    return rewriter.optimize(model, inputs, clock=clock, profile=False, progress=False,
                              compile=compile, **kw)
 
 
@@ -90,6 +91,31 @@ def test_a_faster_compile_is_kept_on_top_of_the_kept_rewrites_and_runs(mlp, fron
     before = fake.calls
     torch.testing.assert_close(fast(x), model(x))
     assert fake.calls > before  # the compiled graph is what runs
+
+
+def test_the_compile_is_measured_after_one_warm_up_round(mlp, monkeypatch):
+    """Both steps have run warm before (the compiled one in its compile and verification): one
+    untimed round of each, then the pairs."""
+    import dataclasses as dc
+
+    from rewriter.decide import compile_gate
+    counts = []
+    real = compile_gate.measure
+
+    def counted(baseline, candidate, **kw):
+        n = {"runs": 0}
+
+        def run():
+            n["runs"] += 1
+            candidate.run()
+        m = real(baseline, dc.replace(candidate, run=run), **kw)
+        counts.append(n["runs"] - len(m.candidate_times))  # the untimed ones
+        return m
+    monkeypatch.setattr(compile_gate, "measure", counted)
+    model, x = mlp
+    _opt(model, (x,), ControlledClock({"a": 0.5, "compile": 0.5}), FakeCompiler(), passes=[RewriteRelu("a")],
+         gate=dc.replace(QUICK, warmup=2, warmup_seconds=10.0, max_warmup=10))
+    assert counts and all(c == 1 for c in counts), counts  # each compile candidate's
 
 
 def test_a_slower_compile_is_rejected_and_the_eager_graphs_run(mlp):

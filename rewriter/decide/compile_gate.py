@@ -374,8 +374,12 @@ class CompileGate:
             # two steps (twice the step check's reserve: warm-up included); never kept unmeasured.
             deadline = None if r.deadline is None else max(
                 r.deadline, time.perf_counter() + 2 * r._confirm_reserve())
+            # one warm-up round: both steps have run warm already (the compiled one in its
+            # compile and verification, the other in the step check before), and a round of a
+            # step is the cost of a pair (Granite fp32: 0.5 s of a cold optimize(), 2-core EPYC)
+            one_round = dataclasses.replace(g, warmup=1, warmup_seconds=0.0)
             with r._phase("measure"):
-                m = measure(self.baseline or r.composed_step(), self._step(runner), clock=r.clock, settings=g,
+                m = measure(self.baseline or r.composed_step(), self._step(runner), clock=r.clock, settings=one_round,
                             min_speedup=margin, deadline=deadline, early=clearly_one_way(margin, g))
             r.snapshot.restore()
             keep, reason = decide(m, margin, g.noise_widths)
