@@ -39,7 +39,7 @@ from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.amortize import DEFAULT_STEPS, MAX_SAVING, Payback, predict_compile_seconds
 from rewriter.decide.compile_offers import NAME, regional_not_offered, whole_not_offered
 from rewriter.decide.compile_size import compile_nodes, repeated_nodes
-from rewriter.decide.gate import Step, clearly_one_way, decide, known_verdict, measure, saved_ms
+from rewriter.decide.gate import Step, clearly_one_way, decide, known_verdict, measure, ran_warm, saved_ms
 from rewriter.decide.job import switched
 from rewriter.decide.knowledge import entry_key
 from rewriter.decide.run_view import RunView
@@ -374,12 +374,8 @@ class CompileGate:
             # two steps (twice the step check's reserve: warm-up included); never kept unmeasured.
             deadline = None if r.deadline is None else max(
                 r.deadline, time.perf_counter() + 2 * r._confirm_reserve())
-            # one warm-up round: both steps have run warm already (the compiled one in its
-            # compile and verification, the other in the step check before), and a round of a
-            # step is the cost of a pair (Granite fp32: 0.5 s of a cold optimize(), 2-core EPYC)
-            one_round = dataclasses.replace(g, warmup=1, warmup_seconds=0.0)
-            with r._phase("measure"):
-                m = measure(self.baseline or r.composed_step(), self._step(runner), clock=r.clock, settings=one_round,
+            with r._phase("measure"):  # both steps have run warm: the compiled one compiling
+                m = measure(self.baseline or r.composed_step(), self._step(runner), clock=r.clock, settings=ran_warm(g),
                             min_speedup=margin, deadline=deadline, early=clearly_one_way(margin, g))
             r.snapshot.restore()
             keep, reason = decide(m, margin, g.noise_widths)

@@ -31,7 +31,7 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 log = logging.getLogger(__name__)
@@ -145,6 +145,14 @@ class GateSettings:
     outlier_factor: float = 1.5  # a sample this many times its variant's lower decile is flagged
     max_flagged: float = 0.25    # more flagged pairs than this: measure again, then inconclusive
     regression: float = 0.98     # the step check reverts only below this ratio (and the noise)
+
+
+def ran_warm(settings: GateSettings) -> GateSettings:
+    """``settings`` for two steps that have both run warm before they are compared (a compiled
+    step after its compile and verification, the rewritten one after the step check): one
+    warm-up round, where a second would cost a pair's time (Granite fp32: 0.5 s of a cold
+    optimize(), 2-core AMD EPYC)."""
+    return replace(settings, warmup=1, warmup_seconds=0.0)
 
 
 def saved_ms(figures: dict | None) -> float | None:
