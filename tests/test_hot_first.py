@@ -198,3 +198,30 @@ def test_the_scan_times_each_region_in_the_precision_its_values_were_recorded_in
                       knowledge_base=False)
     measured = [p for s in clock.seen for p in s if p in ("cool", "hot")]
     assert measured and measured[0] == "hot", measured
+
+
+class CountsOriginals(ControlledClock):
+    """A controlled clock that counts the one-call timings of original regions (the scan's)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.originals = 0
+
+    def time(self, step):
+        self.originals += step.label == "original region, one call"
+        return super().time(step)
+
+
+def test_regions_of_two_passes_over_the_same_nodes_are_timed_once_in_the_scan():
+    """onednn_linear and reuse_linear_output both cut an LM head's Linear out: one original,
+    timed once, its figure serving both passes' order and decisions."""
+    small, large = torch.randn(4, 4), torch.randn(512, 2048)
+    clock = CountsOriginals({"a": 0.5, "b": 0.5})
+    fast = rewriter.optimize(SmallThenLarge(), (small, large),
+                             passes=[Replace("a", F.softmax), Replace("b", F.softmax)],
+                             clock=clock, gate=dataclasses.replace(QUICK, negligible=1e-9),
+                             profile=False, progress=False, knowledge_base=False)
+    # one original, timed once: the fastest of three timings (a call of ~10 ms on this clock,
+    # under site_gate.ONE_CALL_IS_ENOUGH_S); the decision takes the scan's figure
+    assert clock.originals == 3
+    assert fast.report.decisions[0].pass_name == "a" and fast.report.decisions[0].kept

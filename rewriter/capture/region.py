@@ -72,6 +72,11 @@ class Region:
                           "inputs " + ", ".join(self.boundary), self.structure])
 
     @property
+    def before_structure(self) -> str:
+        """The canonical text of the original form alone (``structure``'s first part)."""
+        return self.structure.partition("\nafter:\n")[0]
+
+    @property
     def structure_key(self) -> str:
         """Shape-free identity (pass and structure): for graphs Dynamo compiles later."""
         return hashlib.sha256(f"{self.pass_name}\n{self.structure}".encode()).hexdigest()[:20]

@@ -122,7 +122,7 @@ class HotFirst:
         if len(found) < 2:  # nothing to order
             return {k: 0.0 for k in range(len(found))}, {k: set() for k in range(len(found))}
         firsts = [(slot, r) for groups in found if groups for _, slot, r, _ in groups]
-        values, overlay = None, self._region_overlay()
+        values, overlay, timed = None, self._region_overlay(), {}
         if firsts and not self._out_of_time():
             with self._phase("record"):
                 values = self._record(firsts)
@@ -145,8 +145,10 @@ class HotFirst:
                 for key, slot, r, calls in groups:
                     # in the precision the values were recorded in (a bf16 value into the fp32
                     # region: GPT-2's attention raised, and every pass went as registered)
-                    once = original_ms(r, self._values(values, slot, r), self.job.training, clock=self.clock,
-                                       forms=self._forms(r, overlay))
+                    once = timed.get(key)  # another pass's region over the same nodes
+                    if once is None:
+                        once = timed[key] = original_ms(r, self._values(values, slot, r), self.job.training,
+                                                        clock=self.clock, forms=self._forms(r, overlay))
                     if overlay is None:  # the decisions reuse a time taken as they run (_scanned_ms)
                         self._scanned[key] = once
                     ms += once * calls
@@ -155,13 +157,15 @@ class HotFirst:
 
     def _scanned_ms(self: Any, r: Any) -> float | None:
         """One call of region ``r``'s original, in ms, as the scan timed a region like it (the
-        same pass, structure and boundary; at the precision it was captured in)."""
+        same original structure and boundary; at the precision it was captured in)."""
         return self._scanned.get(scan_key(r))
 
 
 def scan_key(r: Any) -> tuple:
-    """What makes two regions time alike: their pass, structure and boundary."""
-    return r.pass_name, r.structure, tuple(r.boundary)
+    """What makes two regions' originals time alike: the original form's structure and its
+    boundary, whichever pass cut it out (an LM head's Linear: onednn_linear's and
+    reuse_linear_output's region, timed once, ~0.2 s of a cold optimize())."""
+    return r.before_structure, tuple(r.boundary)
 
 
 def _one_per_signature(regions: list[Any]) -> list[tuple[tuple, Any, Any, int]]:
