@@ -56,6 +56,10 @@ _ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_
 # of a GPT-2 step, its index_select below it; `log_softmax` too, its `_log_softmax` below it).
 _DISPATCHING = {"embedding", "log_softmax", "softmax", "layer_norm", "linear", "matmul",
                 "cross_entropy_loss", "nll_loss", "nll_loss_nd", "dropout"}
+# Operators taking a list of tensors, whose shapes torch.profiler does not record (`[[], []]`
+# for `torch.cat([a, b], -2)`, torch 2.13): nothing to cost them by (on the 2-core AMD EPYC
+# `cat` once ranked third, at 1.5% of a GPT-2 step: transformers' cache growing its keys).
+_UNRECORDED = {"cat", "stack"}
 
 
 def _top_three(out: str) -> list[str]:
@@ -76,15 +80,16 @@ def test_gpt2_training_top_three_name_line_fraction_of_peak_and_bound(tmp_path, 
     for line in top:
         # Which operators rank in the top three depends on the CPU; which rows carry a roofline
         # verdict does not: every operator that does arithmetic, and no view or allocation (their
-        # self time is bookkeeping, with no FLOPs or bytes of their own).
+        # self time is bookkeeping, with no FLOPs or bytes of their own), nor an operator on a
+        # list of tensors (no shapes recorded).
         op = re.match(r"\d\. `aten::(\w+)`", line)
-        bookkeeping = op is not None and op.group(1) in _VIEWS | _ALLOCATIONS | _DISPATCHING
+        uncosted = op is not None and op.group(1) in _VIEWS | _ALLOCATIONS | _DISPATCHING | _UNRECORDED
         # function, module chain, file:line (and the line's code where the call is found); a view
         # may be made outside every module (the AMD EPYC once ranked `aten::view` second, 1.4%,
         # at the caller's line): no chain then
-        chain = r"( \[[\w.]+\])?" if bookkeeping else r" \[[\w.]+\]"
+        chain = r"( \[[\w.]+\])?" if uncosted else r" \[[\w.]+\]"
         assert re.search(r"— (backward of )?`[\w.<>]+`" + chain + r" \w+\.py:\d+", line), line
-        if bookkeeping:
+        if uncosted:
             assert not re.search(verdict, line), line
         else:
             assert re.search(verdict, line), line
