@@ -240,13 +240,12 @@ def measure_region(region: Region, values: list[Recorded], training: bool, *, cl
                     before_sample=trim)
         fewest = region_fewest_pairs(original_seconds, settings)
         quick_warmup = dataclasses.replace(settings, warmup_seconds=settings.region_warmup_seconds,
+                                           warmup=region_warm_up_rounds(fewest, settings),
                                            budget_seconds=min(settings.budget_seconds,
                                                               settings.region_budget_seconds),
                                            max_pairs=max(settings.max_pairs, settings.region_max_pairs),
                                            min_pairs=fewest)
         long_samples = fewest == settings.min_pairs  # samples like a step's (an LM head's)
-        if long_samples:
-            quick_warmup = dataclasses.replace(quick_warmup, warmup=1)
         return measure(base, cand, clock=clock, settings=quick_warmup, min_speedup=min_speedup,
                        deadline=deadline,
                        enough=conclusive_or_on_the_line(min_speedup, settings.region_indifference,
@@ -262,6 +261,12 @@ def region_fewest_pairs(original_seconds: float, settings: GateSettings) -> int:
     if original_seconds >= ONE_CALL_IS_ENOUGH_S:
         return settings.min_pairs
     return max(settings.min_pairs, min(settings.region_min_pairs, settings.max_pairs))
+
+
+def region_warm_up_rounds(fewest: int, settings: GateSettings) -> int:
+    """Untimed rounds after each form's first call: one where a sample is one long call (its
+    fewest pairs a step's, :func:`region_fewest_pairs`), else the settings' own."""
+    return 1 if fewest == settings.min_pairs else settings.warmup
 
 
 def least_measuring_seconds(original_seconds: float, settings: GateSettings,
@@ -280,8 +285,7 @@ def least_measuring_seconds(original_seconds: float, settings: GateSettings,
         original_seconds *= FORWARD_SHARE
     sample = max(original_seconds, settings.region_sample_seconds)
     fewest = region_fewest_pairs(original_seconds, settings)
-    warm_up = 1 if fewest == settings.min_pairs else settings.warmup  # as measure_region's
-    return sample * (2 - saves_at_most) * (warm_up + fewest)
+    return sample * (2 - saves_at_most) * (region_warm_up_rounds(fewest, settings) + fewest)
 
 
 # A training region's forward, as a share of its forward and backward, where only the forward
