@@ -98,12 +98,17 @@ def _describe(m: Match) -> str:
     return f"linear {inp}->{out} {'/' if m.rule.pattern in (div_pattern, div_bias_pattern) else '*'} {m.number('c'):g}"
 
 
-_MUL, _DIV = _folded(operator.mul), _folded(operator.truediv)
+def _rule(pattern, op) -> Rule:
+    """One row of the table: every form shares the conditions, the check and the description."""
+    return Rule("scaled_linear", pattern, _folded(op), (is_number_scale, is_widening_linear, is_not_a_softcap),
+                (can_fold_scale,), _describe)
+
+
 RULES = (  # with the bias first: it claims the call before the bare rule can
-    Rule("scaled_linear", mul_bias_pattern, _MUL, (is_number_scale, is_widening_linear, is_not_a_softcap), (can_fold_scale,), _describe),
-    Rule("scaled_linear", mul_pattern, _MUL, (is_number_scale, is_widening_linear, is_not_a_softcap), (can_fold_scale,), _describe),
-    Rule("scaled_linear", div_bias_pattern, _DIV, (is_number_scale, is_widening_linear, is_not_a_softcap), (can_fold_scale,), _describe),
-    Rule("scaled_linear", div_pattern, _DIV, (is_number_scale, is_widening_linear, is_not_a_softcap), (can_fold_scale,), _describe),
+    _rule(mul_bias_pattern, operator.mul),
+    _rule(mul_pattern, operator.mul),
+    _rule(div_bias_pattern, operator.truediv),
+    _rule(div_pattern, operator.truediv),
 )
 
 
