@@ -64,7 +64,7 @@ def cold(model: str, config: str, quick: bool, layers: int | None = None) -> dic
 
 
 def markdown(rows: list[dict], command: str, machine: dict) -> str:
-    from benchmarks.measure import machine_line
+    from benchmarks.measure import error_line, machine_line
 
     lines = ["# One-time costs, each configuration cold in a process of its own", "",
              f"Command: `{command}`", "",
@@ -75,7 +75,7 @@ def markdown(rows: list[dict], command: str, machine: dict) -> str:
              "| model | config | one-time s | optimize() s | first step s | notes |", "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['config']} | failed | | | {r['error'].splitlines()[-1][:200]} |")
+            lines.append(f"| {r['model']} | {r['config']} | failed | | | {error_line(r['error'])} |")
             continue
         opt = "-" if r["optimize_s"] is None else r["optimize_s"]
         label = r["model"] + (f", round {r['round']}" if "round" in r else "")

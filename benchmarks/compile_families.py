@@ -98,7 +98,7 @@ def _compile_cell(rows: list[dict]) -> str:
 
 
 def markdown(rows: list[dict], command: str, machine: dict, bf16: bool = False) -> str:
-    from benchmarks.measure import machine_line
+    from benchmarks.measure import error_line, machine_line
 
     lines = ["# The compile decision on families the speed benchmarks do not name", "",
              f"Command: `{command}`", "",
@@ -112,7 +112,7 @@ def markdown(rows: list[dict], command: str, machine: dict, bf16: bool = False) 
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['family']} | failed | | | | | {r['error'].splitlines()[-1][:200]} |")
+            lines.append(f"| {r['family']} | failed | | | | | {error_line(r['error'])} |")
             continue
         lines.append(f"| {r['family']} | {r['capture']} | {_compile_cell(r['compile'])} | "
                      f"{', '.join(r['kept']) or '-'} | {r['optimize_s']} | {r['compile_s']} | "

@@ -91,7 +91,7 @@ def over_processes(rounds: list[dict]) -> list[dict]:
 
 def markdown(results: list[dict], command: str, machine: dict, summary: list[dict] | None = None) -> str:
     from benchmarks.configs import CONFIGS
-    from benchmarks.measure import machine_line
+    from benchmarks.measure import error_line, machine_line
     lines = ["# optimize() against each peer, side by side", "", f"Command: `{command}`", "",
              machine_line(machine), "",
              "Each model in a fresh process (empty Inductor cache and knowledge base); ours and the "
@@ -103,7 +103,7 @@ def markdown(results: list[dict], command: str, machine: dict, summary: list[dic
     for r in results:
         model = r["model"] + (f", process {r['process']}" if "process" in r else "")
         if "error" in r:
-            lines.append(f"| {model} | {CONFIGS[r['ours']].label} | - | failed: {r['error'][-200:]} | | | | | |")
+            lines.append(f"| {model} | {CONFIGS[r['ours']].label} | - | failed: {error_line(r['error'])} | | | | | |")
             continue
         for row in r["rows"]:
             lines.append(f"| {model} | {CONFIGS[r['ours']].label} | {CONFIGS[row['peer']].label} | "

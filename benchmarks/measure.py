@@ -15,6 +15,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -177,12 +178,40 @@ def write_result(out_dir: str | None, stem: str, result: dict, markdown: str) ->
     print(markdown)
 
 
+def exit_text(returncode: int) -> str:
+    """How a child ended, in words: a signal by name (a crash leaves stderr empty but for what
+    faulthandler, enabled in the child, writes), else its exit status."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}"
+    return f"exit status {returncode}"
+
+
+def error_line(error: str, width: int = 200) -> str:
+    """A failed child's error in one line for a table: how it ended, and for a crash the
+    faulthandler's "Fatal Python error" and the crashing thread's innermost frame, else the
+    last line (an exception's message)."""
+    lines = [x.strip() for x in error.splitlines() if x.strip()]
+    if not lines:
+        return "failed, nothing written to stderr"
+    if not lines[0].startswith("killed by"):
+        return lines[-1][:width]
+    head = lines[0]
+    fatal = next((x for x in lines if x.startswith("Fatal Python error")), "")
+    after = [x for i, x in enumerate(lines) if i and lines[i - 1].startswith("Current thread")]
+    return "; ".join(x for x in (head, fatal, after[0] if after else "") if x)[:width]
+
+
 def in_fresh_process(cmd: list[str], knowledge_base: bool = False) -> subprocess.CompletedProcess:
     """``cmd`` run in a new process with an empty Inductor cache of its own (and, with
     ``knowledge_base``, an empty rewriter knowledge base): a one-time cost taken cold, nothing
     left by an earlier configuration. Output captured as text."""
     with tempfile.TemporaryDirectory(prefix="cold_") as scratch:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor")}
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor"),
+               "PYTHONFAULTHANDLER": "1"}  # a crash's Python stack in its stderr
         if knowledge_base:
             env["REWRITER_KNOWLEDGE_BASE"] = os.path.join(scratch, "knowledge_base.json")
         return subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -193,5 +222,6 @@ def result_in_fresh_process(cmd: list[str], failed: dict, knowledge_base: bool =
     result, or, where the child failed, ``failed`` with the tail of its stderr as ``"error"``."""
     out = in_fresh_process(cmd, knowledge_base=knowledge_base)
     if out.returncode != 0:
-        return {**failed, "error": out.stderr.strip()[-1500:]}
+        stderr = out.stderr.split("\nExtension modules:")[0]  # a crash dump's long module list
+        return {**failed, "error": exit_text(out.returncode) + "\n" + stderr.strip()[-1500:]}
     return json.loads(out.stdout.strip().splitlines()[-1])

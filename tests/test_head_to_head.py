@@ -56,3 +56,18 @@ def test_over_processes_the_median_and_range_of_each_peer_and_a_failed_process_l
     assert "| llama, process 2 | optimize(steps=20000) | torch.compile | **0.95x** ±0.02 |" in text
     assert "| llama, process 3 | optimize(steps=20000) | - | failed: killed |" in text
     assert "| llama | optimize(steps=20000) | torch.compile | **1.01x** (0.95-1.06) | 3 |" in text
+
+
+def test_a_child_that_crashed_is_reported_by_its_signal_and_crashing_frame():
+    """A segfault leaves no exception: the table names the signal, faulthandler's verdict and
+    the innermost frame of the crashing thread (an Inductor kernel's wrapper, T5, stop 65)."""
+    import sys
+
+    from benchmarks.measure import error_line, result_in_fresh_process
+    crash = ("import faulthandler, os, signal; faulthandler.enable()\n"
+             "def kernel_call():\n    os.kill(os.getpid(), signal.SIGABRT)\nkernel_call()\n")
+    r = result_in_fresh_process([sys.executable, "-c", crash], {"model": "t5"})
+    assert r["model"] == "t5" and r["error"].startswith("killed by SIGABRT")
+    line = error_line(r["error"])
+    assert line.startswith("killed by SIGABRT; Fatal Python error: Aborted") and "kernel_call" in line, line
+    assert error_line("exit status 1\nTraceback ...\nValueError: bad") == "ValueError: bad"
