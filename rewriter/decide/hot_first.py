@@ -122,7 +122,10 @@ class HotFirst:
         if len(found) < 2:  # nothing to order
             return {k: 0.0 for k in range(len(found))}, {k: set() for k in range(len(found))}
         firsts = [(slot, r) for groups in found if groups for _, slot, r, _ in groups]
-        values, overlay, timed = None, self._region_overlay(), {}
+        values, overlay = None, self._region_overlay()
+        # one time per original region (scan_key), another pass's over the same nodes reused;
+        # kept for the decisions (_scanned_ms) where taken in the precision they run in
+        timed: dict[tuple, float] = self._scanned if overlay is None else {}
         if firsts and not self._out_of_time():
             with self._phase("record"):
                 values = self._record(firsts)
@@ -145,12 +148,10 @@ class HotFirst:
                 for key, slot, r, calls in groups:
                     # in the precision the values were recorded in (a bf16 value into the fp32
                     # region: GPT-2's attention raised, and every pass went as registered)
-                    once = timed.get(key)  # another pass's region over the same nodes
+                    once = timed.get(key)
                     if once is None:
                         once = timed[key] = original_ms(r, self._values(values, slot, r), self.job.training,
                                                         clock=self.clock, forms=self._forms(r, overlay))
-                    if overlay is None:  # the decisions reuse a time taken as they run (_scanned_ms)
-                        self._scanned[key] = once
                     ms += once * calls
             potential[k] = ms
         return potential, touches

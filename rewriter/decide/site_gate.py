@@ -269,6 +269,12 @@ def region_warm_up_rounds(fewest: int, settings: GateSettings) -> int:
     return 1 if fewest == settings.min_pairs else settings.warmup
 
 
+# A training region's forward, as a share of its forward and backward, where only the forward
+# is timed (Pass.same_backward): a Linear's, one GEMM of its three (reuse_linear_output's, the
+# one such pass). A lower bound's input, so it errs towards measuring.
+FORWARD_SHARE = 1 / 3
+
+
 def least_measuring_seconds(original_seconds: float, settings: GateSettings,
                             saves_at_most: float = 1.0, forward_only: bool = False) -> float:
     """The least a region's comparison can take: its warm-up runs and fewest pairs, each pair
@@ -286,12 +292,6 @@ def least_measuring_seconds(original_seconds: float, settings: GateSettings,
     sample = max(original_seconds, settings.region_sample_seconds)
     fewest = region_fewest_pairs(original_seconds, settings)
     return sample * (2 - saves_at_most) * (region_warm_up_rounds(fewest, settings) + fewest)
-
-
-# A training region's forward, as a share of its forward and backward, where only the forward
-# is timed (Pass.same_backward): a Linear's, one GEMM of its three (reuse_linear_output's, the
-# one such pass). A lower bound's input, so it errs towards measuring.
-FORWARD_SHARE = 1 / 3
 
 
 def original_ms(region: Region, values: list[Recorded], training: bool, *, clock: Clock,
