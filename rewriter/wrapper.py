@@ -29,6 +29,7 @@ from rewriter.capture.regional import RegionalCapture
 from rewriter.decide.state import preserved_state
 from rewriter.devices import amp
 from rewriter.devices.executors import CompiledForward, compiled_runner
+from rewriter.devices.inductor_fixes import with_inductor_fixes
 from rewriter.pipeline import Outcome, replay_on_slot
 from rewriter.report import Report
 
@@ -185,6 +186,8 @@ class OptimizedModel(nn.Module):
             raise RuntimeError("compile() needs the optimized model: pass example_inputs to "
                                "optimize(), or call the model once first")
         compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        if backend == "inductor":  # its CPU miscompiles fixed, as optimize(compile=...) compiles
+            compiler = with_inductor_fixes(compiler)
         model = self.__dict__["_model"]
         replay = lambda slot: replay_on_slot(slot, outcome.kept, outcome.context)  # noqa: E731
         if outcome.use_original or outcome.capture is None:

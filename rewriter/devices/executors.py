@@ -48,6 +48,7 @@ from rewriter.decide.job import switched
 from rewriter.decide.verify import dropout_disabled
 from rewriter.devices.compiled_loss import CACHEABLE, with_compiled_losses
 from rewriter.devices.dynamo_inputs import as_dynamo_hands_it
+from rewriter.devices.inductor_fixes import with_inductor_fixes
 from rewriter.devices.kernel_batches import with_kernel_batches
 from rewriter.devices.npu_capabilities import torch_npu_release
 
@@ -65,10 +66,13 @@ class Executor:
     backend: str | CompilerBackend
     inference_only: bool = False
     kernel_batches: bool = False  # Inductor's CPU kernels built a few to a program
+    codegen_fixes: bool = False  # Inductor's CPU miscompiles fixed (rewriter.devices.inductor_fixes)
 
     def resolve(self) -> CompilerBackend:
         """The backend callable (a name is looked up in torch._dynamo's registry)."""
         fn = torch._dynamo.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend
+        if self.codegen_fixes:
+            fn = with_inductor_fixes(fn)
         return with_kernel_batches(fn) if self.kernel_batches else fn
 
 
@@ -87,7 +91,8 @@ def executors_for(backend: Any, choice: bool | str | CompilerBackend = True,
         problem = check(training)
         if problem is None:
             ex = _EXECUTORS[name]()
-            found.append(replace(ex, kernel_batches=True) if (backend.name, name) in KERNEL_BATCHES else ex)
+            found.append(replace(ex, kernel_batches=(backend.name, name) in KERNEL_BATCHES,
+                                 codegen_fixes=(backend.name, name) in CODEGEN_FIXES))
         else:
             declined.append(f"{name}: {problem}")
     if isinstance(choice, str) and not found and not declined:
@@ -187,6 +192,9 @@ _CHECKS: dict[str, tuple[tuple[str, Callable[[bool], str | None]], ...]] = {
 # (device, executor) whose kernels are built a few to a program (rewriter.devices.kernel_batches):
 # a cold BERT compile's first step 28.0 / 28.1 -> 21.6 / 21.3 s (2-core Xeon with AMX)
 KERNEL_BATCHES = {("cpu", "inductor")}
+# (device, executor) whose code generation takes rewriter.devices.inductor_fixes: Inductor's C++
+# kernels (torch 2.13's 2D-tiled scatter-add wrote past a buffer: T5's regional compile crashed)
+CODEGEN_FIXES = {("cpu", "inductor")}
 
 _EXECUTORS: dict[str, Callable[[], Executor]] = {
     "inductor": lambda: Executor("inductor", "inductor"),
