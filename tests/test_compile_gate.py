@@ -832,3 +832,73 @@ def test_the_knowledge_base_tells_a_compile_with_rewrites_set_aside_from_one_wit
     other, clock = run({"a": 0.8, "compile": 3.0, "original": 3.0})
     assert other.sites == ["fake"] and not other.kept and "knowledge base" not in other.reason
     assert _compiled_samples(clock) > 0  # measured: not the set-aside compile's entry
+
+
+class _LossHead(nn.Module):
+    """A head with its loss: logits soft-capped (Gemma 2's ``c * tanh(z / c)``) or not."""
+
+    def __init__(self, cap=None):
+        super().__init__()
+        self.fc, self.cap = nn.Linear(16, 4), cap
+
+    def forward(self, x):
+        logits = self.fc(torch.relu(x))
+        if self.cap is not None:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        return F.cross_entropy(logits.float().view(-1, 4), torch.arange(x.shape[0]) % 4)
+
+
+@pytest.mark.parametrize("original, heads_win", [(0.5, True), (1.0, False)])
+def test_a_loss_graph_with_soft_capped_logits_is_compiled_too_as_a_second_candidate(monkeypatch, original, heads_win):
+    """"a" (set aside) runs in a head whose loss reads soft-capped logits: beside the regional
+    compile with that head eager (running "a"), one more candidate compiles the head too (without
+    "a"); the faster verified one runs, the other's row says so."""
+    _compiler_makes_a_itself(monkeypatch)
+    model, x = _headed_stack()
+    model.head = _LossHead(cap=3.0)
+    with torch.no_grad():
+        want = model(x)
+    fast = _opt(model, (x,), ControlledClock({"a": 0.8, "compile": 0.7, "original": original}),
+                GraphRecordingCompiler(), passes=[RewriteRelu("a")], regional=True, steps=100_000)
+    eager_head, compiled_head = [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
+    assert eager_head.sites == ["fake"] and compiled_head.sites == ["fake (original graphs; the loss graph compiled)"]
+    winner, loser = (compiled_head, eager_head) if heads_win else (eager_head, compiled_head)
+    assert winner.kept and not loser.kept and "is faster still" in loser.reason
+    a = next(d for d in fast.report.decisions if d.pass_name == "a")
+    assert a.status == ("superseded" if heads_win else "kept")
+    head = next(s for s in fast.__dict__["_outcome"].capture.slots if s.block is None)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), want)
+        assert (head.compiler is None) == (not heads_win)  # the head's graph compiled, or eager
+    fast.restore()
+
+
+def test_a_loss_graph_without_arithmetic_on_its_logits_is_not_offered_compiled(monkeypatch):
+    _compiler_makes_a_itself(monkeypatch)
+    model, x = _headed_stack()
+    model.head = _LossHead(cap=None)
+    fast = _opt(model, (x,), ControlledClock({"a": 0.8, "compile": 0.7, "original": 0.5}),
+                GraphRecordingCompiler(), passes=[RewriteRelu("a")], regional=True, steps=100_000)
+    tried, = [d for d in fast.report.decisions if d.pass_name == "compile" and d.status != "not tried"]
+    assert tried.sites == ["fake"]  # the head eager with "a": no second form
+    fast.restore()
+
+
+@pytest.mark.parametrize("head, arithmetic", [
+    (lambda z: z, False),                                         # the GEMM's output as it is
+    (lambda z: z.float().contiguous()[:, :4], False),             # casts, views and slices only
+    (lambda z: torch.tanh(z / 30.0) * 30.0, True),                # Gemma 2's soft-cap
+    (lambda z: (z * 0.5).float(), True),                          # a scale left in place
+    (lambda z: torch.log_softmax(z, -1), False),                  # not pointwise arithmetic
+])
+def test_logits_arithmetic_is_pointwise_work_between_the_head_and_its_loss(head, arithmetic):
+    from rewriter.decide.set_aside import logits_arithmetic
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            return F.cross_entropy(head(self.fc(x)), y)
+    assert logits_arithmetic(torch.fx.symbolic_trace(M())) == arithmetic

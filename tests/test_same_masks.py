@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import rewriter
-from rewriter.decide import compile_gate
+from rewriter.decide import compile_gate, same_masks
 from tests.controlled import QUICK, Bf16Cpu, ControlledClock
 from tests.test_nested_blocks import DropHeaded
 
@@ -19,7 +19,7 @@ def no_dropout_off_compile(monkeypatch):
     """The compile with dropout off (the old verification) must not happen."""
     def refuse():
         raise AssertionError("verified in a compile with dropout off")
-    monkeypatch.setattr(compile_gate, "dropout_disabled", refuse)
+    monkeypatch.setattr(same_masks, "dropout_disabled", refuse)
 
 
 def _compile_rows(fast):

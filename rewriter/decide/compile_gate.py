@@ -24,8 +24,6 @@ its measured seconds within the run. Inductor's caches live beside the knowledge
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -43,9 +41,8 @@ from rewriter.decide.gate import Step, clearly_one_way, decide, known_verdict, m
 from rewriter.decide.job import switched
 from rewriter.decide.knowledge import entry_key
 from rewriter.decide.run_view import RunView
-from rewriter.decide.same_masks import verify_with_masks
-from rewriter.decide.set_aside import compile_sources
-from rewriter.decide.verify import compare_runs, dropout_disabled, tolerance_for
+from rewriter.decide.same_masks import verify_compiled
+from rewriter.decide.set_aside import compile_sources, compiled_heads
 from rewriter.devices.compile_cache import cache_folder, is_warm, use_persistent_cache
 from rewriter.devices.isa_probes import start_vec_isa_probes, wait as wait_for_isa_probes
 from rewriter.devices.executors import (
@@ -98,6 +95,7 @@ class CompileGate:
         self._replaying = False  # a plan's compile: what the plan keeps, nothing set aside
         self._unnested = False  # the blocks nested raised or failed verification: not again
         self._masks = False  # the form built last draws eager's dropout masks (same_masks.py)
+        self._heads = False  # the form offered now compiles the loss graphs too (:meth:`_heads_offered`)
         # autocast, no precision pass kept (compile_first, a plan's); the eager step timed against
         self.under_autocast, self.baseline = False, None
 
@@ -122,27 +120,27 @@ class CompileGate:
         for ex in found:
             # the candidates (:meth:`_forms`): the compiler is never handed a worse input than
             # the model's own code, and the fastest one verified runs
-            forms = self._forms(ex)
-            for original in forms:
-                if original and r.compiled_first is not None:
-                    continue
-                key, known, skip, predicted = self.weighed(ex, original, choice, steps)
-                if skip is not None:
-                    r.report.decisions.append(skip)
-                    log.info("rewriter: compile (%s): not tried: %s", self._label(ex, original), skip.reason)
-                else:
-                    tried.append(self.attempt(ex, steps, key, known, original, predicted))
+            for original in self._forms(ex):
+                if not (original and r.compiled_first is not None):
+                    self._offer(ex, original, choice, steps, tried)
+            mine = [t for t in tried if t[2] is ex]  # a second form only where the first ran
+            if mine and mine[-1][0].status in ("kept", "rejected") and self._heads_offered(ex):
+                self._heads = True  # one more: the loss graphs with arithmetic compiled too
+                try:
+                    self._offer(ex, False, choice, steps, tried)
+                finally:
+                    self._heads = False
             row = whole_not_offered(self, ex) or regional_not_offered(self, ex)
             if row is not None:
                 not_offered.append(row)
         kept = [t for t in tried if t[0].kept]
         best = max(kept, key=lambda t: t[0].speedup or 0.0) if kept else None
         for d, _, ex, original in tried:
-            if best is not None and d.kept and (ex, original) != (best[2], best[3]):
+            if best is not None and d.kept and d is not best[0]:
                 d.kept, d.status = False, "rejected"
-                d.reason = f"{self._label(best[2], best[3])} is faster still; {d.reason}"
+                d.reason = f"{best[0].sites[0]} is faster still; {d.reason}"
             r.report.decisions.append(d)
-            log.info("rewriter: compile (%s): %s: %s", self._label(ex, original), d.status, d.reason)
+            log.info("rewriter: compile (%s): %s: %s", d.sites[0], d.status, d.reason)
         r.report.decisions += not_offered  # after the rows of what was tried
         if best is not None:
             if best[3]:
@@ -153,6 +151,22 @@ class CompileGate:
             self._install(best[1], best[2])
         else:
             r.compile_plan = {"executor": found[0].name, "kept": False}
+
+    def _offer(self, ex: Executor, original: bool, choice: Any, steps: int | None, tried: list) -> None:
+        """One candidate: weighed against the run, then tried (``tried``) or said not tried."""
+        key, known, skip, predicted = self.weighed(ex, original, choice, steps)
+        if skip is not None:
+            self.run.report.decisions.append(skip)
+            log.info("rewriter: compile (%s): not tried: %s", self._label(ex, original), skip.reason)
+        else:
+            tried.append(self.attempt(ex, steps, key, known, original, predicted))
+
+    def _heads_offered(self, ex: Executor) -> bool:
+        """Whether the regional compile has a second form: a graph outside the blocks that runs a
+        set-aside rewrite, its loss reading logits with arithmetic of its own, compiled too
+        (rewriter.decide.set_aside)."""
+        aside = self._set_aside(ex)
+        return bool(aside) and bool(compiled_heads(self.run, aside))
 
     def weighed(self, ex: Executor, original: bool, choice: Any, steps: int | None
                 ) -> tuple[str, dict | None, Decision | None, tuple[float, str, int]]:
@@ -194,7 +208,7 @@ class CompileGate:
         """(what each graph's compile gets, None: what it keeps; the set-aside rewrites that then
         run nowhere): rewriter.decide.set_aside."""
         aside = self._set_aside(ex)
-        return compile_sources(self.run, aside) if aside else (None, [])
+        return compile_sources(self.run, aside, heads=self._heads) if aside else (None, [])
 
     def _regional_one_candidate(self) -> bool:
         """A regional capture, not a generation, no kept precision to run as autocast: the
@@ -239,7 +253,8 @@ class CompileGate:
             if not aside:
                 return ex.name
             every = len(aside) == len(self.run.kept)  # nothing rewritten left: the original graphs
-            return f"{ex.name} (original graphs)" if every else f"{ex.name} (without {', '.join(aside)})"
+            heads = "; the loss graph compiled" if self._heads else ""
+            return f"{ex.name} (original graphs{heads})" if every else f"{ex.name} (without {', '.join(aside)}{heads})"
         autocast = self._autocast()
         return f"{ex.name} (original model" + (", blocks nested" if self._nests(ex) else "") + \
             (f", autocast {str(autocast[1]).split('.')[-1]})" if autocast else ")")
@@ -510,32 +525,8 @@ class CompileGate:
         return Step(run, passes, "compiled")
 
     def _verify(self, runner: Callable[..., Any]) -> tuple[bool, str, float | None]:
-        """Against the original's numerics, as a composed rewrite is, dropout off: a compiled graph
-        with dropout in a compile with it off (once more), unless the same masks verify it."""
-        r = self.run
-        if self._masks:
-            ok, detail, err = verify_with_masks(r, runner, getattr(runner, "autocast", None)
-                                                if isinstance(runner, CompiledOriginal) else None)
-            if ok:
-                return ok, detail, err
-            log.info("rewriter: compile: not verified with the same masks (%s); with dropout off", detail)
-        quiet = dropout_disabled() if r.job.training and has_dropout(r.cap, r.job.model) \
-            else contextlib.nullcontext()
-        try:
-            with r._phase("verify"):
-                got = r.job.numerics(runner, deterministic=quiet)
-        except Exception as e:
-            return False, f"the compiled model raised when run: {type(e).__name__}: {e}", None
-        finally:
-            r.snapshot.restore()
-        tol = tolerance_for(r.job.dtype)
-        c = compare_runs(got, r.reference.values, tol)
-        if not c.ok:
-            y = r.reference.yardstick()
-            if y is not None:  # the rewrites' rounding and the compiler's add up, as composed
-                y = dataclasses.replace(y, factor=2 * y.factor)
-            c = compare_runs(got, r.reference.values, tol, yardstick=y)
-        return c.ok, c.describe(), c.max_abs_error
+        autocast = getattr(runner, "autocast", None) if isinstance(runner, CompiledOriginal) else None
+        return verify_compiled(self.run, runner, self._masks, autocast)
 
     def _failed(self, ex: Executor, status: str, reason: str, err: float | None = None,
                 original: bool = False) -> Decision:
@@ -553,7 +544,8 @@ class CompileGate:
         regional = isinstance(r.cap, RegionalCapture) and r.job.generation is None
         form = (" (original, blocks nested" if self._nests(ex) else " (original") + \
             (", same masks)" if masks else ")") if original else \
-            (" (regional" + (f", without {','.join(aside)}, eager outside" if aside else "") + ")"
+            (" (regional" + (f", without {','.join(aside)}, " + ("loss graph compiled" if self._heads else
+                                                              "eager outside") if aside else "") + ")"
              if regional else "") + (" (same masks)" if masks else "")
         form += " (against the eager step under autocast)" if self.baseline is not None else ""
         text = "|".join([NAME, ex.name + form, r.job.backend.name,

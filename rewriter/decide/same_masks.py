@@ -21,13 +21,18 @@ was measured). A comparison that fails falls back to the compile with dropout of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 from typing import Any
 
 import torch
 
 from rewriter.decide.job import UnderAutocast
 from rewriter.decide.run_view import RunView
-from rewriter.decide.verify import AUTOCAST_FACTOR, Yardstick, compare_runs, tolerance_for
+from rewriter.decide.verify import AUTOCAST_FACTOR, Yardstick, compare_runs, dropout_disabled, tolerance_for
+from rewriter.devices.executors import has_dropout
+
+log = logging.getLogger("rewriter.progress")
 
 
 def verify_with_masks(r: RunView, runner: Any, autocast: tuple[str, torch.dtype] | None
@@ -56,3 +61,32 @@ def verify_with_masks(r: RunView, runner: Any, autocast: tuple[str, torch.dtype]
         c = compare_runs(got, want, tol, yardstick=Yardstick("torch.autocast", yardstick, 2 * AUTOCAST_FACTOR))
     return c.ok, f"{c.describe()}; dropout on, the same masks as the eager model (Inductor's fallback_random)", \
         c.max_abs_error
+
+
+def verify_compiled(r: RunView, runner: Any, masks: bool, autocast: tuple[str, torch.dtype] | None
+                    ) -> tuple[bool, str, float | None]:
+    """A compiled form against the original's numerics, as a composed rewrite is: with the same
+    masks where ``masks`` (the original model compiled, its ``autocast``), else dropout off (a
+    compiled graph with dropout: in a compile with it off, once more). (ok, words, max error)."""
+    if masks:
+        ok, detail, err = verify_with_masks(r, runner, autocast)
+        if ok:
+            return ok, detail, err
+        log.info("rewriter: compile: not verified with the same masks (%s); with dropout off", detail)
+    quiet = dropout_disabled() if r.job.training and has_dropout(r.cap, r.job.model) \
+        else contextlib.nullcontext()
+    try:
+        with r._phase("verify"):
+            got = r.job.numerics(runner, deterministic=quiet)
+    except Exception as e:
+        return False, f"the compiled model raised when run: {type(e).__name__}: {e}", None
+    finally:
+        r.snapshot.restore()
+    tol = tolerance_for(r.job.dtype)
+    c = compare_runs(got, r.reference.values, tol)
+    if not c.ok:
+        y = r.reference.yardstick()
+        if y is not None:  # the rewrites' rounding and the compiler's add up, as composed
+            y = dataclasses.replace(y, factor=2 * y.factor)
+        c = compare_runs(got, r.reference.values, tol, yardstick=y)
+    return c.ok, c.describe(), c.max_abs_error
