@@ -101,6 +101,25 @@ def test_outside_the_cpu_or_under_compile_it_is_f_linear(monkeypatch):
     torch.testing.assert_close(y, F.linear(x, w), rtol=0, atol=0)
 
 
+def test_a_graph_handed_to_aot_autograd_traces_it_as_f_linear():
+    """The regional compile hands its graphs to the backend directly: AOTAutograd traces them
+    with fake tensors, not under Dynamo (torch.compiler.is_compiling() is False there)."""
+    from functorch.compile import aot_function, make_boxed_func
+
+    graphs = []
+
+    def compiler(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    x, w = torch.randn(8, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
+    loss = aot_function(lambda x, w: rlo.kept_linear(x, w).square().sum(), compiler)(x, w)
+    loss.backward()
+    assert rlo._OUTPUTS.buffers == {}  # nothing kept: the compiler plans its buffers
+    torch.testing.assert_close(w.grad, 2 * (x @ w.t()).t().detach() @ x.detach(), rtol=1e-5, atol=1e-4)
+    assert graphs and any("mm" in str(n.target) for n in graphs[0].graph.nodes)
+
+
 def test_kept_buffers_validate_and_replace_the_oldest():
     with pytest.raises(ValueError, match="slots"):
         KeptBuffers(slots=0)

@@ -27,9 +27,18 @@ MMAP_CEILING = 32 << 20  # glibc's largest adaptive mmap threshold (64-bit): abo
 
 def can_keep(device: torch.device) -> bool:
     """Whether a kernel's buffer on ``device`` is one to keep here: the CPU (a caching
-    allocator reuses memory elsewhere), outside torch.compile (the buffer is the compiler's to
-    plan), and a torch that tells a storage's holders (so reuse is safe to decide)."""
-    return device.type == "cpu" and not torch.compiler.is_compiling() and hasattr(torch._C, "_storage_Use_Count")
+    allocator reuses memory elsewhere), outside torch.compile and any trace with fake tensors
+    (the buffer is the compiler's to plan; AOTAutograd tracing a graph handed to it directly,
+    as the regional compile hands them, runs under a fake mode but not under Dynamo), and a
+    torch that tells a storage's holders (so reuse is safe to decide)."""
+    return device.type == "cpu" and not torch.compiler.is_compiling() and not _fake_mode() \
+        and hasattr(torch._C, "_storage_Use_Count")
+
+
+def _fake_mode() -> bool:
+    """Whether a fake-tensor mode is on the dispatch stack (a compiler is tracing)."""
+    keys = getattr(torch._C, "_TorchDispatchModeKey", None)
+    return keys is not None and torch._C._get_dispatch_mode(keys.FAKE) is not None
 
 
 class KeptBuffers:
