@@ -5,7 +5,9 @@ After the rewrites are decided and confirmed, each executor the device has
 the original model compiled whole (``CompiledOriginal``), so the compiler is never handed only a
 worse input than the model's own code. Under a regional capture one compile is paid: in fp32
 the regional compile (every graph once, built without the kept rewrites the compiler makes
-itself, :data:`COMPILER_DOES_ITSELF`); beside a kept bf16 precision in training, the original
+itself, :data:`COMPILER_DOES_ITSELF`; where a loss graph left eager reads logits with arithmetic
+of its own, a second form compiles it too, paying for that graph only: :meth:`_heads_offered`);
+beside a kept bf16 precision in training, the original
 model under autocast compiled whole, its repeated blocks nested compile regions (Inductor; one
 that raises or fails verification is compiled again without them; CPU: its losses in compiler
 forms, CompiledOriginal's ``loss_forms``; decided first where it would supersede every rewrite:
