@@ -32,6 +32,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from rewriter.devices.inductor_scope import around_inductor, flag_on
+
 TAG = "rewriter-inductor-fixes-1"  # in the cache key of every compile made with the fixes
 
 _STATE = threading.local()
@@ -92,32 +94,16 @@ def fixed_codegen() -> Iterator[None]:
         yield
         return
     _install()
-    before = getattr(_STATE, "on", False)
-    _STATE.on = True
     config = torch.compiler.config
     tag = config.cache_key_tag
-    try:
-        if TAG in tag.split("+"):
-            yield
-        else:
-            with config.patch(cache_key_tag=f"{tag}+{TAG}" if tag else TAG):
-                yield
-    finally:
-        _STATE.on = before
+    tagged = contextlib.nullcontext() if TAG in tag.split("+") else \
+        config.patch(cache_key_tag=f"{tag}+{TAG}" if tag else TAG)
+    with flag_on(_STATE), tagged:
+        yield
 
 
 def with_inductor_fixes(inductor: Callable[..., Any]) -> Callable[..., Any]:
     """``inductor`` (``compile_fx`` or Dynamo's "inductor" backend) with :func:`fixed_codegen`
     in force for the call and for its ``inner_compile``, which AOTAutograd also calls for a
     backward it compiles later, at the first backward."""
-    def compile_graph(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
-        from torch._inductor.compile_fx import compile_fx_inner
-        inner = kwargs.get("inner_compile") or compile_fx_inner
-
-        def inner_compile(*args: Any, **kw: Any) -> Any:
-            with fixed_codegen():
-                return inner(*args, **kw)
-        with fixed_codegen():
-            return inductor(gm, example_inputs, **{**kwargs, "inner_compile": inner_compile})
-    compile_graph.__name__ = getattr(inductor, "__name__", "inductor")
-    return compile_graph
+    return around_inductor(inductor, fixed_codegen)

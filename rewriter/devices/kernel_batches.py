@@ -39,6 +39,8 @@ import logging
 import threading
 from typing import Any, Callable, Iterator
 
+from rewriter.devices.inductor_scope import around_inductor, flag_on
+
 log = logging.getLogger(__name__)
 
 GROUP = 6  # kernels to a program: fewer g++ runs, still building while Inductor writes the rest
@@ -323,12 +325,8 @@ def batched_kernels() -> Iterator[None]:
         yield
         return
     _install()
-    before = getattr(_STATE, "on", False)
-    _STATE.on = True
-    try:
+    with flag_on(_STATE):
         yield
-    finally:
-        _STATE.on = before
 
 
 @contextlib.contextmanager
@@ -348,14 +346,4 @@ def with_kernel_batches(inductor: Callable[..., Any]) -> Callable[..., Any]:
     with its CPU kernels batched: the call itself (a graph AOTAutograd's cache holds is loaded
     there) and its ``inner_compile``, which AOTAutograd also calls for a backward it compiles
     later, at the first backward."""
-    def compile_graph(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
-        from torch._inductor.compile_fx import compile_fx_inner
-        inner = kwargs.get("inner_compile") or compile_fx_inner
-
-        def inner_compile(*args: Any, **kw: Any) -> Any:
-            with batched_kernels():
-                return inner(*args, **kw)
-        with batched_kernels(), _backward_with_forward():
-            return inductor(gm, example_inputs, **{**kwargs, "inner_compile": inner_compile})
-    compile_graph.__name__ = getattr(inductor, "__name__", "inductor")
-    return compile_graph
+    return around_inductor(inductor, batched_kernels, _backward_with_forward)
