@@ -100,8 +100,9 @@ def test_the_users_cache_tag_is_kept_beside_ours(monkeypatch):
     assert torch.compiler.config.cache_key_tag == "mine"
 
 
-def test_an_older_inductor_is_left_alone(monkeypatch):
-    monkeypatch.setattr(torch, "__version__", "2.6.0")
+@pytest.mark.parametrize("version", ["2.6.0", "2.14.0", "3.0.0a0+git"])
+def test_an_inductor_before_the_path_or_after_the_upstream_fix_is_left_alone(monkeypatch, version):
+    monkeypatch.setattr(torch, "__version__", version)
     monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "")
     assert not inductor_fixes.supported()
     with fixed_codegen():

@@ -1,8 +1,8 @@
 """Inductor miscompiles that crash the process, fixed for rewriter's own compiles.
 
-**The 2D-tiled scatter-add** (pytorch/pytorch#191837; fixed upstream by #191861, after torch
-2.13). Inductor's CPU code generation tiles a loop nest two ways when one input is read along
-the outer loop and another along the inner one (``CppTile2DKernel``). For an ``atomic_add``
+**The 2D-tiled scatter-add** (pytorch/pytorch#191837, closed upstream with the fix of
+#191861, after torch 2.13). Inductor's CPU code generation tiles a loop nest two ways when one
+input is read along the outer loop and another along the inner one (``CppTile2DKernel``). For an ``atomic_add``
 store with indirect indices (an embedding's or an index's backward: ``index_put(...,
 accumulate=True)``), with more than one thread, the tile's inner offset is added to the index
 twice: ``CppTile2DKernel.store`` transforms the index, then ``CppVecKernel.store`` derives it
@@ -21,8 +21,8 @@ by an earlier version or without it, is not loaded in place of the fixed one::
     backend = with_inductor_fixes(torch._dynamo.lookup_backend("inductor"))
     compiled = torch.compile(model, backend=backend)
 
-An Inductor whose code generation differs from the one described here (an older torch, a
-private API that moved) is left as it is (:func:`supported`).
+An Inductor whose code generation differs from the one described here (a torch before 2.7 or
+after 2.13, a private API that moved) is left as it is (:func:`supported`).
 """
 from __future__ import annotations
 
@@ -41,13 +41,15 @@ _INSTALLED: list[bool] = []  # the class patch, made once per process
 _INSTALL_LOCK = threading.Lock()
 
 # CppTile2DKernel took atomic_add stores in torch 2.7 (pytorch/pytorch#147961); before, this
-# path did not exist.
-_FIRST_TORCH = (2, 7)
+# path did not exist. The upstream fix (#191861, 2026-08, the issue closed) is for the releases after 2.13,
+# whose code generation this module leaves alone.
+_TORCH_RANGE = ((2, 7), (2, 13))
 
 
 def supported() -> bool:
     """Whether this Inductor's CPU code generation is the one this module fixes."""
-    if tuple(int(p) for p in torch.__version__.split(".")[:2] if p.isdigit()) < _FIRST_TORCH:
+    version = tuple(int(p) for p in torch.__version__.split(".")[:2] if p.isdigit())
+    if not _TORCH_RANGE[0] <= version <= _TORCH_RANGE[1]:
         return False
     try:
         from torch._inductor.codegen.cpp import CppTile2DKernel, CppVecKernel
