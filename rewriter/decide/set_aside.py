@@ -41,8 +41,9 @@ def compile_sources(run: Any, aside: list[str], heads: bool = False) -> tuple[Ca
     nowhere: superseded by the compile). ``heads``: the graphs :func:`compiled_heads` names are
     compiled too."""
     rest = [kp for kp in run.kept if kp.name not in aside]
-    compiled = set(compiled_heads(run, aside)) if heads else set()
-    outside = {name: runs for name, runs in _outside(run, aside).items() if name not in compiled}
+    outside = _outside(run, aside)
+    for name in (_arithmetic_heads(run, rest, list(outside)) if heads else []):
+        del outside[name]  # compiled too
 
     def source(slot: Any) -> Any:
         if slot.name in outside:
@@ -56,9 +57,14 @@ def compiled_heads(run: Any, aside: list[str]) -> list[str]:
     """The graphs outside the blocks that run a set-aside rewrite and whose loss reads logits
     with arithmetic of their own after the kept rewrites (:func:`logits_arithmetic`)."""
     rest = [kp for kp in run.kept if kp.name not in aside]
+    return _arithmetic_heads(run, rest, list(_outside(run, aside)))
+
+
+def _arithmetic_heads(run: Any, rest: list, names: list[str]) -> list[str]:
+    """Those of the slots ``names`` whose graph, built with the kept rewrites ``rest``, has
+    :func:`logits_arithmetic`."""
     slots = {slot.name: slot for slot in run.cap.slots}
-    return [name for name in _outside(run, aside)
-            if logits_arithmetic(build(slots[name].original, rest, run.ctx, name))]
+    return [name for name in names if logits_arithmetic(build(slots[name].original, rest, run.ctx, name))]
 
 
 def _outside(run: Any, aside: list[str]) -> dict[str, set[str]]:
