@@ -12,7 +12,10 @@ that reads integer values held as floats (``position_ids.float()``, moved or res
 fp32: bf16 holds integers exactly only up to 256 (fp16: 2048), so rotary angles computed from
 positions in half would be wrong. Models write such an op inside ``torch.autocast(enabled=False)``
 (transformers' rotary ``inv_freq @ positions``), which leaves no trace in a graph captured without
-autocast; the integer origin is in the graph. In
+autocast; the integer origin is in the graph. A fill the model wrote as ``torch.finfo(x.dtype).min``
+is fp32's value in a graph captured in fp32, which ``masked_fill`` on a half tensor refuses
+(DeBERTa-v2's masked scores): such a fill (``amp.SATURATED_FILLS``) takes its value saturated to
+its tensor's dtype at run time, the half dtype's ``finfo.min`` as the model in that dtype writes it. In
 inference a model tensor (a weight) is cast once, not at every call
 (``rewriter.devices.weight_casts.WeightCast``: ``w16 = self.rewriter_weight_cast_bfloat16(w)``). A tensor
 is cast at most once per dtype (``w.to(bf16)`` is shared by every user of ``w``), so the
@@ -29,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from rewriter.capture.ir import CAST_OPS, mark_new_node, op_name, reads_model_tensor, tensor_info
+from rewriter.capture.ir import CAST_OPS, arg, mark_new_node, op_name, reads_model_tensor, tensor_info
 from rewriter.devices import amp
 from rewriter.devices.weight_casts import WeightCast
 from rewriter.pass_api import Pass, PassContext, Site, register_pass
@@ -98,8 +101,9 @@ class CastToHalf(Pass):
     scope = "step"  # the precision of the whole graph: measured on the whole step
     sets_precision = True
     # 2: inference casts model tensors once (WeightCast); 3: integer values stay fp32; 4: in a
-    # region graph an fp32-list op casts its inputs (they may arrive half)
-    version = 4
+    # region graph an fp32-list op casts its inputs (they may arrive half); 5: a fill out of the
+    # half dtype's range saturates
+    version = 5
     contract = "reduced"
     devices = frozenset({"cpu", "cuda", "npu"})
 
@@ -129,6 +133,11 @@ class CastToHalf(Pass):
             if casts:
                 label = str(want).replace("torch.", "")
                 sites.append(Site(node, f"{node.name}: {label}{amp.forced_note(node)}", (want, casts)))
+        for node in gm.graph.nodes:  # a fill value out of the half dtype's range (module docstring)
+            value = _fill_value(node)
+            if value is not None and abs(value) > torch.finfo(ctx.dtype).max:
+                sites.append(Site(node, f"{node.name}: fill value {value:g} saturated to its tensor's dtype",
+                                  (_SATURATE, value)))
         return sites
 
     def apply(self, gm: GraphModule, sites: list[Site], ctx: PassContext) -> None:
@@ -136,6 +145,9 @@ class CastToHalf(Pass):
         made: dict[tuple[Node, torch.dtype], Node] = {}
         for site in sites:
             node: Node = site.anchor
+            if site.match[0] is _SATURATE:
+                _saturate(gm, node)
+                continue
             want, casts = site.match
             for value in casts:
                 key = (value, want)
@@ -147,6 +159,34 @@ class CastToHalf(Pass):
                 node.kwargs = {k: _replace(v, value, cast) if isinstance(v, (list, tuple)) else
                                (cast if v is value else v) for k, v in node.kwargs.items()}
             node.meta["rewriter_pass"] = self.name
+
+
+_SATURATE = "saturate"  # a site's match: the fill whose value is saturated, not a cast
+
+
+def _fill_value(node: Node) -> float | None:
+    """The scalar a fill operator (``amp.SATURATED_FILLS``) writes, or None."""
+    name = op_name(node) if node.op in ("call_function", "call_method") else None
+    if name not in amp.SATURATED_FILLS:
+        return None
+    value = arg(node, amp.SATURATED_FILLS[name][0], "value")
+    return value if isinstance(value, float) else None
+
+
+def _saturate(gm: GraphModule, node: Node) -> None:
+    """The fill as ``amp.masked_fill_saturated(x, mask, value)``: fp32's ``finfo.min``, which a
+    graph captured in fp32 holds where the model wrote ``torch.finfo(x.dtype).min``, becomes the
+    half dtype's where ``x`` is half (masked_fill raises on a value its dtype cannot hold);
+    where ``x`` stays fp32, the value is as it was."""
+    name = op_name(node)
+    position, saturated = amp.SATURATED_FILLS[name]  # type: ignore[index]
+    x, mask = node.args[0], arg(node, 1, "mask")
+    with gm.graph.inserting_after(node):
+        new = mark_new_node(gm.graph.call_function(saturated, (x, mask, _fill_value(node))), CastToHalf.name)
+    node.replace_all_uses_with(new)
+    new.meta.update(node.meta)
+    new.meta["rewriter_pass"] = CastToHalf.name
+    gm.graph.erase_node(node)
 
 
 def _cast(gm: GraphModule, value: Node, want: torch.dtype, ctx: PassContext) -> Node:

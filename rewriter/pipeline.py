@@ -54,7 +54,7 @@ from rewriter.decide.replay import PlanReplay, replay_on_slot
 from rewriter.decide.state import preserved_state
 from rewriter.decide.step import StepDecisions
 from rewriter.devices import amp, optimizers
-from rewriter.devices.weight_casts import WeightCast
+from rewriter.devices.weight_casts import copies_held
 from rewriter.errors import CaptureError
 from rewriter.pass_api import Pass, PassContext
 from rewriter.profiling import ProfileSettings, record_run
@@ -275,12 +275,9 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
                 f"objective='memory': {', '.join(dropped)} returns None for outputs the loss alone "
                 "needed (a causal LM's logits): the loss and gradients are unchanged; use "
                 "objective='time' where the caller reads them")
-        held = _weight_copies_bytes(self.cap.slots) if self.kept else 0
+        held = copies_held(self.cap.slots, self.job.dtype) if self.kept else None
         if held:
-            self.report.notes.append(
-                f"inference: cast_to_half holds a {str(self.job.dtype).replace('torch.', '')} copy "
-                f"of each weight it casts ({_size(held)} beside the model's own weights), "
-                "made at the first call and reused while the weight is unchanged")
+            self.report.notes.append(held)
         self.report.optimize_seconds = time.perf_counter() - self.started
         log.info("rewriter: done in %.1f s: %s", self.report.optimize_seconds,
                  self.report.final.get("reason", ""))
@@ -345,8 +342,8 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         if speculate and self._remaining() < PRECISION_FIRST_STEPS * self.step_seconds:
             self._decide_each(precision)  # kept, the regions run in it (_region_overlay)
             precision, speculate = [], []
-        if speculate:
-            self._set_overlay([KeptPass(speculate[0])])
+        if speculate and not self._runs_in_precision(speculate[0]):
+            speculate = []  # decided last, its row says why (the check's failure again)
         self._decide_each(others)
         if speculate:
             self._set_overlay([])
@@ -380,7 +377,10 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
         at_once, hot = self._hot_first(passes)
         rows, number = {}, {id(p): i for i, p in enumerate(passes, 1)}
         for p in at_once + hot:
-            d = self._try(p)  # finding sites is cheap; measuring them checks the budget
+            try:
+                d = self._try(p)  # finding sites is cheap; measuring them checks the budget
+            except Exception as e:  # noqa: BLE001 (a pass that raises is not kept; the run goes on)
+                d = self._raised(p, e)
             self.snapshot.restore()
             rows[id(p)] = d
             log.info("rewriter: [%d/%d] %s: %s: %s", number[id(p)], len(passes), p.name, d.status, d.reason)
@@ -587,14 +587,3 @@ class Run(RegionDecisions, StepDecisions, HotFirst, CaptureStage, PlanReplay):
 
 
 REPORT_PROFILE = ProfileSettings(wait=0, warmup=1, active=1)
-
-
-def _weight_copies_bytes(slots: list[Any]) -> int:
-    """Bytes the kept graphs' weight casts hold (rewriter.devices.weight_casts; inference)."""
-    found = {id(m): m for slot in slots for gm in (slot.kept, slot.kept_run)
-             for m in gm.modules() if isinstance(m, WeightCast)}
-    return sum(m.cached_bytes() for m in found.values())
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"

@@ -165,6 +165,28 @@ class StepDecisions:
                 inner()
         return Step(run, passes, label)
 
+    def _runs_in_precision(self, p: Pass) -> bool:
+        """The precision pass ``p`` set on top of the model for the others to be decided in
+        (Run._decide), if the model runs in it and agrees with the original; else left off (a
+        graph captured in fp32 may hold what the half dtype cannot: DeBERTa-v2's fill of fp32's
+        ``finfo.min`` raised in bf16 before cast_to_half saturated it)."""
+        self._set_overlay([KeptPass(p)])
+        with self._phase("verify"):
+            ok, detail, _ = self._verify_candidate(composed=True)
+        if not ok:
+            self._set_overlay([])
+            log.info("rewriter: %s: the other passes decided without it: %s", p.name, detail)
+        return ok
+
+    def _raised(self, p: Pass, e: Exception) -> Decision:
+        """``p``'s decision raised: rolled back (its candidate graphs, anything of it kept), not kept."""
+        self._reject_all()
+        self.snapshot.restore()
+        if any(kp.pass_ is p for kp in self.kept):
+            self.units = [u for u in self.units if u.pass_name != p.name]
+            self.rebuild([kp for kp in self.kept if kp.pass_ is not p])
+        return Decision(p.name, False, "raised", f"raised while decided: {type(e).__name__}: {e}", scope=p.scope)
+
     def _reject_all(self) -> None:
         for slot in self.cap.slots:
             slot.reject()

@@ -36,6 +36,32 @@ FLOAT_OPS: set[Any] = {"softmax", "log_softmax", "layer_norm", "rms_norm", "batc
 FORCED: dict[Any, str] = {}
 
 
+def masked_fill_saturated(x: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
+    """``x.masked_fill(mask, value)`` with ``value`` saturated to ``x``'s dtype: what a model that
+    writes ``torch.finfo(x.dtype).min`` fills with in the dtype it runs in (rewriter's graphs are
+    captured in fp32, so that value is fp32's; in bf16 it does not fit, and masked_fill raises)."""
+    if x.is_floating_point():
+        info = torch.finfo(x.dtype)
+        value = min(max(value, info.min), info.max)
+    return x.masked_fill(mask, value)
+
+
+def masked_fill_saturated_(x: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
+    """In place: :func:`masked_fill_saturated`."""
+    if x.is_floating_point():
+        info = torch.finfo(x.dtype)
+        value = min(max(value, info.min), info.max)
+    return x.masked_fill_(mask, value)
+
+
+# fill operators whose scalar may be a dtype's extreme, their value's position, and the form that
+# saturates it to the tensor's dtype at run time (cast_to_half)
+SATURATED_FILLS: dict[str, tuple[int, Callable[..., Any]]] = {
+    "masked_fill": (2, masked_fill_saturated),
+    "masked_fill_": (2, masked_fill_saturated_),
+}
+
+
 def _key(module: Any, name: str) -> Any:
     fn = getattr(module, name, None)
     if fn is None:

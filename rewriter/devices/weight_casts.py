@@ -73,3 +73,17 @@ def _in_a_trace() -> bool:
         return False
     return any(torch._C._get_dispatch_mode(getattr(keys, name)) is not None
                for name in ("PROXY", "FAKE", "FUNCTIONAL") if hasattr(keys, name))
+
+
+def copies_held(slots: list[Any], dtype: torch.dtype) -> str | None:
+    """The report's note on the half copies the kept graphs' weight casts hold (inference), or
+    None when they hold none."""
+    found = {id(m): m for slot in slots for gm in (slot.kept, slot.kept_run)
+             for m in gm.modules() if isinstance(m, WeightCast)}
+    held = sum(m.cached_bytes() for m in found.values())
+    if not held:
+        return None
+    size = f"{held / 2**20:.1f} MiB" if held >= 2**20 else f"{held / 2**10:.1f} KiB"
+    return (f"inference: cast_to_half holds a {str(dtype).replace('torch.', '')} copy of each weight it "
+            f"casts ({size} beside the model's own weights), made at the first call and reused while "
+            "the weight is unchanged")
