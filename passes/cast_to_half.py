@@ -178,14 +178,12 @@ def _saturate(gm: GraphModule, node: Node) -> None:
     graph captured in fp32 holds where the model wrote ``torch.finfo(x.dtype).min``, becomes the
     half dtype's where ``x`` is half (masked_fill raises on a value its dtype cannot hold);
     where ``x`` stays fp32, the value is as it was."""
-    name = op_name(node)
-    position, saturated = amp.SATURATED_FILLS[name]  # type: ignore[index]
+    saturated = amp.SATURATED_FILLS[op_name(node)][1]  # type: ignore[index]
     x, mask = node.args[0], arg(node, 1, "mask")
     with gm.graph.inserting_after(node):
-        new = mark_new_node(gm.graph.call_function(saturated, (x, mask, _fill_value(node))), CastToHalf.name)
+        new = mark_new_node(gm.graph.call_function(saturated, (x, mask, _fill_value(node))), CastToHalf.name,
+                            like=node)
     node.replace_all_uses_with(new)
-    new.meta.update(node.meta)
-    new.meta["rewriter_pass"] = CastToHalf.name
     gm.graph.erase_node(node)
 
 

@@ -40,18 +40,19 @@ def masked_fill_saturated(x: torch.Tensor, mask: torch.Tensor, value: float) -> 
     """``x.masked_fill(mask, value)`` with ``value`` saturated to ``x``'s dtype: what a model that
     writes ``torch.finfo(x.dtype).min`` fills with in the dtype it runs in (rewriter's graphs are
     captured in fp32, so that value is fp32's; in bf16 it does not fit, and masked_fill raises)."""
-    if x.is_floating_point():
-        info = torch.finfo(x.dtype)
-        value = min(max(value, info.min), info.max)
-    return x.masked_fill(mask, value)
+    return x.masked_fill(mask, _saturated(value, x))
 
 
 def masked_fill_saturated_(x: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
     """In place: :func:`masked_fill_saturated`."""
-    if x.is_floating_point():
-        info = torch.finfo(x.dtype)
-        value = min(max(value, info.min), info.max)
-    return x.masked_fill_(mask, value)
+    return x.masked_fill_(mask, _saturated(value, x))
+
+
+def _saturated(value: float, x: torch.Tensor) -> float:
+    if not x.is_floating_point():
+        return value
+    info = torch.finfo(x.dtype)
+    return min(max(value, info.min), info.max)
 
 
 # fill operators whose scalar may be a dtype's extreme, their value's position, and the form that
