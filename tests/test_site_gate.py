@@ -287,6 +287,29 @@ def test_reason_figures_agree_with_each_other():
     assert f"{m.speedup:.3f}x" in reason and f"-> {m.candidate_ms:.3f} ms" in reason
 
 
+def test_composed_rounding_reverts_the_pass_whose_removal_alone_verifies_not_the_newest(blocks):
+    """a and b each nudge the ReLUs within the fp32 bound on their own, past it together; c is
+    exact and decided last. The composed model fails verification: of a and b (either one's
+    removal verifies), b, predicted to save less, is taken off; c, newest but innocent, stays."""
+    model, x = blocks
+    clock = ControlledClock({"a": 0.5, "b": 0.8, "c": 0.9})
+    passes = [RewriteRelu("a", shift=2.2e-6), RewriteRelu("b", shift=2.2e-6), RewriteRelu("c")]
+    fast = _opt(model, (x,), passes, clock)
+    assert _decision(fast, "a").kept and _decision(fast, "c").kept, fast.report.final["reason"]
+    b = _decision(fast, "b")
+    assert b.status == "reverted" and "failed verification" in b.reason
+    assert fast.report.kept_passes == ["a", "c"]
+    assert fast.report.final["reason"].startswith("reverted before timing: b (the composed model failed verification")
+    alone = _opt(*_fresh_blocks(), [RewriteRelu("a", shift=2.2e-6)], ControlledClock({"a": 0.5}))
+    assert alone.report.kept_passes == ["a"]  # the shift alone is within the bound
+
+
+def _fresh_blocks():
+    torch.manual_seed(0)
+    model, x = Blocks(n=4).eval(), torch.randn(8, 16)
+    return model, (x,)
+
+
 def test_a_composed_regression_is_resolved_by_ablation_most_doubtful_first(blocks):
     model, x = blocks
     # a: 2x on its region; b: 1.25x on its region but the step with it is slower
