@@ -136,6 +136,16 @@ def test_the_extra_families_run_on_request_only(tmp_path):
         torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
 
 
+def test_the_fourth_held_out_families_build_and_their_expert_form_computes_the_same_loss():
+    from benchmarks.models import _HELDOUT_4
+    for name, (cls, _) in _HELDOUT_4.items():
+        case = build_case(name, quick=True, training=True)
+        expert, inputs = case.make_expert(case.model)
+        out, ref = case.model(**inputs), expert(**inputs)
+        assert type(case.model).__name__ == cls and torch.isfinite(out.loss), name
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_a_model_that_cannot_be_built_is_rows_with_its_error(tmp_path, monkeypatch):
     def no_model(name, **kw):
         raise ImportError("no transformers here")
