@@ -2,11 +2,13 @@
 import dataclasses
 import math
 import random
+import types
 
 import pytest
 import torch
 
 import rewriter
+from rewriter.decide import gate
 from rewriter.decide.gate import (
     GateSettings,
     Measurement,
@@ -191,6 +193,50 @@ def test_samples_of_one_variant_that_disagree_are_no_early_verdict():
                             interference=lambda call, step: 1.0 if step.passes else next(spread))
     m = _whole_step(clock)
     assert not m.decided_early and m.pairs >= WHOLE.min_pairs
+
+
+def _cut_short(monkeypatch, clock, pairs=4):
+    """A whole-step measurement whose deadline ends it after ``pairs`` pairs: perf_counter is a
+    counter each sample advances by 0.1 s."""
+    now = [0.0]
+    monkeypatch.setattr(gate, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def tick():
+        now[0] += 0.1
+    a, b = Step(tick, (), "a"), Step(tick, ("x",), "b")
+    return measure(a, b, clock=clock, settings=WHOLE, min_speedup=1.05, deadline=0.2 * pairs + 0.05,
+                   early=clearly_one_way(1.05, WHOLE))
+
+
+def test_cut_short_a_verdict_where_every_sample_of_one_variant_is_apart_from_the_others(monkeypatch):
+    # every pair 2x, the baseline's samples spread 1.0-1.3x (no early verdict: they disagree):
+    # the deadline ends the pairs at four, every baseline sample past every candidate one
+    spread = iter([1.0, 1.3, 1.15, 1.0, 1.3, 1.15, 1.0, 1.3] * 10)
+    clock = ControlledClock({"x": 0.5}, jitter=0.0,
+                            interference=lambda call, step: 1.0 if step.passes else next(spread))
+    m = _cut_short(monkeypatch, clock)
+    assert m.pairs == 4 and m.decided_out_of_time and not m.out_of_time and not m.decided_early
+    keep, reason = decide(m, 1.05)
+    assert keep and "the time budget ended the pairs" in reason
+    assert not m.storable(WHOLE.min_pairs)  # a verdict, not a knowledge-base entry
+
+
+def test_cut_short_samples_that_overlap_are_no_verdict(monkeypatch):
+    # 1.6x a pair, but one candidate sample slower than a baseline one: "not reached", as before
+    spread = iter([1.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0] * 10)
+    clock = ControlledClock({"x": 0.6}, jitter=0.0, interference=lambda call, step: next(spread))
+    m = _cut_short(monkeypatch, clock)
+    assert m.out_of_time and not m.decided_out_of_time
+    assert decide(m, 1.05) == (False, "not reached: the time budget ran out after 4 pair(s)")
+
+
+def test_cut_short_bursts_of_load_never_give_a_keep(monkeypatch):
+    for seed in range(40):
+        rng = random.Random(seed)
+        clock = ControlledClock({"x": 1.0}, interference=lambda call, step: (
+            rng.uniform(1.2, 3.0) if rng.random() < 0.5 else 1.0))
+        m = _cut_short(monkeypatch, clock, pairs=5)
+        assert not decide(m, 1.05)[0], seed
 
 
 def test_optimize_decides_a_whole_step_pass_far_past_the_line_on_its_few_pairs(mlp):
