@@ -372,11 +372,11 @@ class OneWay:
         the figures are conclusive, without the rule's spread within each variant: on a noisy
         machine a step's samples spread past 10 % (2-core EPYC, bf16 at steps=100: LLaMA's eager
         step 274-340 ms over five pairs against 171-200 ms in bf16, and ``cast_to_half`` read "not
-        reached" in three runs of four). Truly level variants whose samples half the time take a
+        reached" in four runs of five). Truly level variants whose samples half the time take a
         1.2-3x burst of load pass it in 0.17 % of tries at four pairs, 0.02 % at five (200 000
         simulated), against none kept before: a keep then changes nothing in time."""
         b, c = m.baseline_times, m.candidate_times
-        return len(b) >= self.g.step_early_pairs and bool(b) and bool(c) and (
+        return len(b) >= self.g.step_early_pairs and len(c) == len(b) and (
             min(b) >= self.fast * max(c) or max(b) * self.fast <= min(c)) \
             and _conclusive(m, self.min_speedup, self.g.noise_widths)
 
