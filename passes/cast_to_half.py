@@ -146,7 +146,7 @@ class CastToHalf(Pass):
         for site in sites:
             node: Node = site.anchor
             if site.match[0] is _SATURATE:
-                _saturate(gm, node)
+                _saturate(gm, node, site.match[1])
                 continue
             want, casts = site.match
             for value in casts:
@@ -173,7 +173,7 @@ def _fill_value(node: Node) -> float | None:
     return value if isinstance(value, float) else None
 
 
-def _saturate(gm: GraphModule, node: Node) -> None:
+def _saturate(gm: GraphModule, node: Node, value: float) -> None:
     """The fill as ``amp.masked_fill_saturated(x, mask, value)``: fp32's ``finfo.min``, which a
     graph captured in fp32 holds where the model wrote ``torch.finfo(x.dtype).min``, becomes the
     half dtype's where ``x`` is half (masked_fill raises on a value its dtype cannot hold);
@@ -181,7 +181,7 @@ def _saturate(gm: GraphModule, node: Node) -> None:
     saturated = amp.SATURATED_FILLS[op_name(node)][1]  # type: ignore[index]
     x, mask = node.args[0], arg(node, 1, "mask")
     with gm.graph.inserting_after(node):
-        new = mark_new_node(gm.graph.call_function(saturated, (x, mask, _fill_value(node))), CastToHalf.name,
+        new = mark_new_node(gm.graph.call_function(saturated, (x, mask, value)), CastToHalf.name,
                             like=node)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)

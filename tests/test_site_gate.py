@@ -33,10 +33,14 @@ def _region_samples(clock, name):
     return sum(1 for passes, scope in zip(clock.seen, clock.scopes) if scope == "region" and name in passes)
 
 
-@pytest.fixture
-def blocks():
+def _blocks():
     torch.manual_seed(0)
     return Blocks(n=4).eval(), torch.randn(8, 16)
+
+
+@pytest.fixture
+def blocks():
+    return _blocks()
 
 
 def test_identical_sites_are_one_signature_measured_once(blocks):
@@ -300,14 +304,9 @@ def test_composed_rounding_reverts_the_pass_whose_removal_alone_verifies_not_the
     assert b.status == "reverted" and "failed verification" in b.reason
     assert fast.report.kept_passes == ["a", "c"]
     assert fast.report.final["reason"].startswith("reverted before timing: b (the composed model failed verification")
-    alone = _opt(*_fresh_blocks(), [RewriteRelu("a", shift=2.2e-6)], ControlledClock({"a": 0.5}))
+    model, x = _blocks()  # the same model afresh
+    alone = _opt(model, (x,), [RewriteRelu("a", shift=2.2e-6)], ControlledClock({"a": 0.5}))
     assert alone.report.kept_passes == ["a"]  # the shift alone is within the bound
-
-
-def _fresh_blocks():
-    torch.manual_seed(0)
-    model, x = Blocks(n=4).eval(), torch.randn(8, 16)
-    return model, (x,)
 
 
 def test_a_composed_regression_is_resolved_by_ablation_most_doubtful_first(blocks):

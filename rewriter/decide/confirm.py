@@ -103,7 +103,7 @@ def _confirm(self: Confirmation) -> bool:
         if not r.kept and r.fused_opt is None:
             break
         m, slower, _ = _measure_slower(self)
-    predicted = sum(u.saved_ms for u in r.units if u.saved_ms and math.isfinite(u.saved_ms))
+    predicted = _predicted_ms(r.units)
     final = {"measurement": m.to_dict(), "speedup": m.speedup, "noise": m.noise,
              "predicted_saving_ms": round(predicted, 4), "step_ms": m.baseline_ms,
              "reverted": list(self.reverted)}
@@ -227,8 +227,12 @@ def _short_of_prediction(m: Measurement, r: RunView) -> bool:
 def _net_prediction(r: RunView) -> float:
     """The kept regions' predicted saving a step, in ms, less what the installed graphs cost
     (``dispatch_ms``: measured for a regional generation, else 0)."""
-    saved = sum(u.saved_ms for u in r.units if u.saved_ms and math.isfinite(u.saved_ms))
-    return saved - r.dispatch_ms
+    return _predicted_ms(r.units) - r.dispatch_ms
+
+
+def _predicted_ms(units: list[KeptUnit]) -> float:
+    """What ``units`` predict to save a step, in ms (those with a finite figure)."""
+    return sum(u.saved_ms for u in units if u.saved_ms and math.isfinite(u.saved_ms))
 
 
 def _most_saved(r: RunView) -> float | None:
@@ -353,11 +357,9 @@ def _culprit(r: RunView) -> KeptPass | None:
                 fixes.append(kp)
     finally:
         r.rebuild(kept)
-
-    def saved(kp: KeptPass) -> float:
-        return sum(u.saved_ms for u in r.units if u.pass_name == kp.name
-                   and u.saved_ms is not None and math.isfinite(u.saved_ms))
-    return min(fixes, key=saved) if fixes else None
+    if not fixes:
+        return None
+    return min(fixes, key=lambda kp: _predicted_ms([u for u in r.units if u.pass_name == kp.name]))
 
 
 def _revert(self: Confirmation, unit: KeptUnit) -> None:

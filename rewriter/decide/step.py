@@ -179,9 +179,9 @@ class StepDecisions:
         return ok
 
     def _raised(self, p: Pass, e: Exception) -> Decision:
-        """``p``'s decision raised: rolled back (its candidate graphs, anything of it kept), not kept."""
+        """``p``'s decision raised: rolled back (its candidate graphs, anything of it kept), not kept;
+        the caller (Run._decide_each) restores the snapshot, as after every decision."""
         self._reject_all()
-        self.snapshot.restore()
         if any(kp.pass_ is p for kp in self.kept):
             self.units = [u for u in self.units if u.pass_name != p.name]
             self.rebuild([kp for kp in self.kept if kp.pass_ is not p])
