@@ -136,9 +136,10 @@ def test_the_extra_families_run_on_request_only(tmp_path):
         torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
 
 
-def test_the_fourth_held_out_families_build_and_their_expert_form_computes_the_same_loss():
-    from benchmarks.models import _HELDOUT_4
-    for name, (cls, _) in _HELDOUT_4.items():
+@pytest.mark.parametrize("held_out", ["_HELDOUT_4", "_HELDOUT_5"])
+def test_the_fourth_and_fifth_held_out_families_build_and_their_expert_form_computes_the_same_loss(held_out):
+    import benchmarks.models
+    for name, (cls, _) in getattr(benchmarks.models, held_out).items():
         case = build_case(name, quick=True, training=True)
         expert, inputs = case.make_expert(case.model)
         out, ref = case.model(**inputs), expert(**inputs)
