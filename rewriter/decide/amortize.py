@@ -80,6 +80,11 @@ REPEATED_NODE_FACTOR = 0.15
 # layers 26.7 / 29.4 / 31.2 s nested (whole: 24.8 / 34.5 / 43.8 s), ~0.6 s a later layer of ~71
 # nodes: 0.04 of the fit's seconds a node.
 NESTED_NODE_FACTOR = 0.04
+# A compile still running at this many times its prediction, where that is past what the best
+# saving repays within the run's first tenth, is abandoned (:func:`compile_time_limit`). The
+# predictions err high (Gemma 2's regional compile: 68 s predicted, 22.8 s taken); Funnel's ran
+# past nine minutes (rewriter.devices.compile_limit).
+OVERRUN_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,20 @@ def deciding_budget(time_budget: float | None, steps: int | None, step_seconds: 
         return time_budget
     cap = max(MIN_BUDGET, BUDGET_FRACTION * steps * step_seconds)
     return cap if time_budget is None else min(time_budget, cap)
+
+
+def compile_time_limit(steps: int | None, step_seconds: float, predicted_s: float) -> float | None:
+    """Seconds a compile may run before it is abandoned (None: no limit, the run's length
+    unknown): what the best saving, ``MAX_SAVING`` of each step, repays within the run's first
+    ``REPAY_FRACTION`` (the rule a compile is paid under, :attr:`Payback.repays`), and never under
+    ``OVERRUN_FACTOR`` times the compile's prediction::
+
+        compile_time_limit(20_000, 0.25, 40.0)  # 250.0: the tenth's 2000 steps of 0.125 s saved
+        compile_time_limit(1_000, 0.25, 40.0)   # 120.0: three times the prediction
+    """
+    if steps is None:
+        return None
+    return max(REPAY_FRACTION * steps * MAX_SAVING * step_seconds, OVERRUN_FACTOR * predicted_s)
 
 
 def check_steps(steps: object) -> int | None:

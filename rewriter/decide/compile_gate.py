@@ -36,8 +36,9 @@ from rewriter import plan as plans
 from rewriter.capture.front_ends import DynamoCapture, FxCapture
 from rewriter.capture.ir import structure_signature
 from rewriter.capture.regional import RegionalCapture
-from rewriter.decide.amortize import DEFAULT_STEPS, MAX_SAVING, Payback, predict_compile_seconds
-from rewriter.decide.compile_offers import NAME, regional_not_offered, whole_not_offered
+from rewriter.decide.amortize import DEFAULT_STEPS, Payback, compile_time_limit, predict_compile_seconds
+from rewriter.decide.compile_offers import (NAME, abandoned, abandoned_before, not_worth_compiling,
+                                            regional_not_offered, whole_not_offered)
 from rewriter.decide.compile_size import compile_nodes, repeated_nodes
 from rewriter.decide.gate import Step, clearly_one_way, decide, known_verdict, measure, ran_warm, saved_ms
 from rewriter.decide.job import switched
@@ -46,6 +47,7 @@ from rewriter.decide.run_view import RunView
 from rewriter.decide.same_masks import verify_compiled
 from rewriter.decide.set_aside import compile_sources, compiled_heads
 from rewriter.devices.compile_cache import cache_folder, is_warm, use_persistent_cache
+from rewriter.devices.compile_limit import CompileLimit
 from rewriter.devices.isa_probes import start_vec_isa_probes, wait as wait_for_isa_probes
 from rewriter.devices.executors import (
     CompiledOriginal,
@@ -98,6 +100,7 @@ class CompileGate:
         self._unnested = False  # the blocks nested raised or failed verification: not again
         self._masks = False  # the form built last draws eager's dropout masks (same_masks.py)
         self._heads = False  # the form offered now compiles the loss graphs too (:meth:`_heads_offered`)
+        self._limit = CompileLimit(None)  # the compile being tried: its time limit (attempt)
         # autocast, no precision pass kept (compile_first, a plan's); the eager step timed against
         self.under_autocast, self.baseline = False, None
 
@@ -183,7 +186,10 @@ class CompileGate:
             known = r.settings.knowledge_base.get(key)
         weigh = choice == "auto" or (original and r.settings.steps is not None)
         predicted = self._predicted(ex, known, original)
-        skip = self._not_worth_compiling(ex, steps, known, predicted, original) if weigh else None
+        limit = compile_time_limit(steps, r.step_seconds, predicted[0])  # as attempt() sets it
+        known, skip = abandoned_before(self, ex, original, known, limit)
+        if skip is None and weigh:
+            skip = not_worth_compiling(self, ex, steps, known, predicted, original)
         return key, known, skip, predicted
 
     def attempt(self, ex: Executor, steps: int | None, key: str, known: dict | None, original: bool,
@@ -191,7 +197,11 @@ class CompileGate:
         """:meth:`_try`, said first: the longest silence of a run."""
         log.info("rewriter: compile (%s): compiling, about %.0f s (%s), then verifying and measuring",
                  self._label(ex, original), *predicted[:2])
-        return self._try(ex, steps, key, known, original)
+        self._limit = CompileLimit(compile_time_limit(steps, self.run.step_seconds, predicted[0]))
+        try:
+            return self._try(ex, steps, key, known, original)
+        finally:
+            self._limit = CompileLimit(None)
 
     def _set_aside(self, ex: Executor) -> list[str]:
         """Under a regional capture (no kept bf16 precision to run as autocast), the kept graph
@@ -320,29 +330,6 @@ class CompileGate:
         s = self.run.settings
         return s.steps if s.steps is not None else (DEFAULT_STEPS if s.compile == "auto" else None)
 
-    def _not_worth_compiling(self, ex: Executor, steps: int | None, known: dict | None,
-                             predicted: tuple[float, str, int], original: bool = False) -> Decision | None:
-        """A row saying why compiling is not tried, when its predicted cost (:meth:`_predicted`)
-        cannot be repaid within the run even at the best saving there is reason to expect
-        (``known``: the knowledge base's entry for this compile); None: try it."""
-        if steps is None:
-            return None
-        r = self.run
-        cost, source, nodes = predicted
-        known_ms = saved_ms(known)
-        if known_ms is not None:
-            saving, basis = known_ms / 1e3, "the knowledge base's"
-        else:
-            saving, basis = MAX_SAVING * r.step_seconds, f"at most {MAX_SAVING:.0%} of the step"
-        p = Payback(cost, saving, steps)
-        if p.repays:
-            return None
-        return Decision(NAME, False, "not tried",
-                        f"{self._label(ex, original)}: would not repay within the run ({source}; saving {basis}): "
-                        f"{p.describe()}", scope="step",  # no sites: nothing was compiled
-                        measurement={"predicted_compile_seconds": round(cost, 3), "nodes": nodes,
-                                     **p.to_dict()})
-
     def _predicted(self, ex: Executor, known: dict | None, original: bool) -> tuple[float, str, int]:
         """Seconds the compile is expected to take, where that figure comes from, and the graph
         calls it is handed."""
@@ -370,6 +357,8 @@ class CompileGate:
         cache = self._cache(ex)
         warm = _cached(known, cache)  # this compile loads what an earlier one stored
         runner, compile_s, failed, detail, err = self._verified_build(ex, original)
+        if self._limit.overran:  # stopped: remembered, so the next run does not pay it again
+            return abandoned(self, ex, original, key, compile_s, detail), None, ex, original
         nesting = ""
         if failed and original and self._nests(ex):
             # torch 2.13: a region with a side effect (Mistral's output recording) raises
@@ -469,7 +458,7 @@ class CompileGate:
         self._masks = self._same_masks(ex, original)
         if original:
             try:
-                with r._phase("compile"):
+                with r._phase("compile"), self._limit:
                     runner = CompiledOriginal(r.job.model, r.cap, ex.resolve(), self._autocast(),
                                               nest=self._nests(ex), same_masks=self._masks,
                                               loss_forms=self._cpu_training(ex))
@@ -486,7 +475,7 @@ class CompileGate:
             # installed blocks (opaque to a trace) and the untraced forwards are lifted first
             r.cap.remove()
         try:
-            with r._phase("compile"):
+            with r._phase("compile"), self._limit:
                 source, superseded = self._sources(ex)
                 runner = compiled_runner(r.job.model, r.cap if r.kept or blocks else None,
                                          ex.resolve(), r._on_new_graph,

@@ -1,12 +1,19 @@
-"""The compile forms a CompileGate does not offer beside the one it tries, each a report row
-that says why (the gate's ``_forms``; the figures behind each choice are in the rows)."""
+"""The compile candidates a CompileGate does not try, or stops, each a report row that says why:
+the forms it does not offer beside the one it tries (the gate's ``_forms``; the figures behind
+each choice are in the rows), a compile the run cannot repay, and one abandoned at its time
+limit (rewriter.devices.compile_limit) or by an earlier run."""
 from __future__ import annotations
 
 from typing import Any
 
-from rewriter.decide.amortize import predict_compile_seconds
+import logging
+
+from rewriter.decide.amortize import MAX_SAVING, Payback, predict_compile_seconds
 from rewriter.decide.compile_size import compile_nodes, repeated_nodes
+from rewriter.decide.gate import saved_ms
 from rewriter.report import Decision
+
+log = logging.getLogger("rewriter.progress")
 
 NAME = "compile"  # the compile's decision rows' pass_name (the gate's and these)
 
@@ -41,3 +48,57 @@ def whole_not_offered(gate: Any, ex: Any) -> Decision | None:
                     f"is the candidate; the whole model's compile (predicted {cost:.1f} s) is "
                     "not paid beside it for fusing across the graphs' edges", scope="step",
                     measurement={"predicted_compile_seconds": round(cost, 3)})
+
+
+def not_worth_compiling(gate: Any, ex: Any, steps: int | None, known: dict | None,
+                        predicted: tuple[float, str, int], original: bool = False) -> Decision | None:
+    """A row saying why compiling is not tried, when its predicted cost (the gate's
+    ``_predicted``) cannot be repaid within the run even at the best saving there is reason to
+    expect (``known``: the knowledge base's entry for this compile); None: try it."""
+    if steps is None:
+        return None
+    cost, source, nodes = predicted
+    known_ms = saved_ms(known)
+    if known_ms is not None:
+        saving, basis = known_ms / 1e3, "the knowledge base's"
+    else:
+        saving, basis = MAX_SAVING * gate.run.step_seconds, f"at most {MAX_SAVING:.0%} of the step"
+    p = Payback(cost, saving, steps)
+    if p.repays:
+        return None
+    return Decision(NAME, False, "not tried",
+                    f"{gate._label(ex, original)}: would not repay within the run ({source}; saving {basis}): "
+                    f"{p.describe()}", scope="step",  # no sites: nothing was compiled
+                    measurement={"predicted_compile_seconds": round(cost, 3), "nodes": nodes,
+                                 **p.to_dict()})
+
+
+def abandoned_before(gate: Any, ex: Any, original: bool, known: dict | None, limit: float | None
+                     ) -> tuple[dict | None, Decision | None]:
+    """(the knowledge base's entry as a measurement, or None; a "not tried" row where an earlier
+    run abandoned this compile and this run's ``limit`` is no longer). An abandoned entry holds
+    no measurement: where this run's limit is longer (a longer run), the compile is tried afresh."""
+    if not known or "compile_abandoned" not in known:
+        return known, None
+    if limit is not None and limit > known["compile_abandoned"]:
+        return None, None
+    return None, Decision(NAME, False, "not tried",
+                          f"{gate._label(ex, original)}: an earlier run abandoned this compile after "
+                          f"{known['compile_abandoned']:.3g} s, past what its run could repay; "
+                          f"{'this run allows no longer' if limit is not None else 'steps= not given'}",
+                          scope="step", measurement={"compile_abandoned": known["compile_abandoned"]})
+
+
+def abandoned(gate: Any, ex: Any, original: bool, key: str, compile_s: float, detail: str) -> Decision:
+    """The row of a compile stopped at its time limit (the gate's ``_limit``), remembered in the
+    knowledge base under its key so the next run of the same length does not pay it again."""
+    r, label = gate.run, gate._label(ex, original)
+    r.settings.knowledge_base.put(key, {"pass": NAME, "compile_abandoned": round(compile_s, 1)})
+    reason = (f"{label}: abandoned after {compile_s:.3g} s of compiling, its limit {gate._limit.seconds:.3g} s "
+              f"(what the best saving repays within the first tenth of steps={gate.steps()}, or three times "
+              "its prediction); the eager graphs run")
+    log.warning("rewriter: compile: %s", reason)
+    return Decision(NAME, False, "abandoned", reason, sites=[label], scope="step",
+                    measurement={"compile_abandoned": round(compile_s, 1),
+                                 "limit_seconds": round(gate._limit.seconds, 1)},
+                    verification=detail)

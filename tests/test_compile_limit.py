@@ -1,0 +1,124 @@
+"""A compile's time limit (rewriter.devices.compile_limit): a compile that runs past what the run
+could repay is stopped, reported "abandoned", remembered, and the eager graphs run.
+
+The compiler is a fake torch.compile backend that never finishes by itself (a Python loop, as
+Inductor's sympy simplification of Funnel's backward was); the limit is set to a fraction of a
+second through the gate's ``compile_time_limit``, so no test waits on the real rule's minutes.
+"""
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import rewriter
+from rewriter.decide import compile_gate
+from rewriter.decide.amortize import MAX_SAVING, OVERRUN_FACTOR, REPAY_FRACTION, compile_time_limit
+from rewriter.devices.compile_limit import CompileLimit, CompileOverran
+from tests.controlled import QUICK, ControlledClock
+from tests.models import ReluMLP
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="no setitimer on this platform")
+
+
+def _spin(seconds: float) -> float:
+    """Pure-Python work until ``seconds`` have passed (the limit must stop it first)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        sum(range(1000))
+    return time.perf_counter() - t0
+
+
+def test_the_limit_stops_what_runs_inside_it_and_puts_the_handler_back():
+    before = signal.getsignal(signal.SIGALRM)
+    t0 = time.perf_counter()
+    with pytest.raises(CompileOverran, match="still compiling after"):
+        with CompileLimit(0.2) as limit:
+            assert limit.armed
+            _spin(30.0)
+    assert limit.overran and time.perf_counter() - t0 < 10.0
+    assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+
+
+def test_a_compile_that_ends_in_time_is_not_stopped_and_the_timer_is_cleared():
+    with CompileLimit(30.0) as limit:
+        _spin(0.05)
+    assert not limit.overran and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+
+
+def test_no_limit_another_timer_or_another_thread_leaves_the_alarm_alone():
+    with CompileLimit(None) as limit:
+        assert not limit.armed
+    previous = signal.signal(signal.SIGALRM, lambda *a: None)
+    signal.setitimer(signal.ITIMER_REAL, 60.0)  # the caller's own timer
+    try:
+        with CompileLimit(0.1) as limit:
+            assert not limit.armed
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 50.0  # left running
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(CompileLimit(0.1).__enter__().armed))
+    t.start()
+    t.join()
+    assert seen == [False]
+
+
+def test_the_limit_is_what_the_best_saving_repays_in_the_runs_first_tenth_or_thrice_the_prediction():
+    assert compile_time_limit(None, 0.25, 40.0) is None
+    assert compile_time_limit(20_000, 0.25, 40.0) == pytest.approx(REPAY_FRACTION * 20_000 * MAX_SAVING * 0.25)
+    assert compile_time_limit(1_000, 0.25, 40.0) == pytest.approx(OVERRUN_FACTOR * 40.0)
+
+
+class EndlessCompiler:
+    """A torch.compile backend whose compile would run for minutes (a Python loop)."""
+
+    __name__ = "endless"
+
+    def __init__(self):
+        self.started = self.finished = 0
+
+    def __call__(self, gm, example_inputs):
+        self.started += 1
+        _spin(120.0)
+        self.finished += 1
+        return gm
+
+
+def _opt(model, x, compiler, kb, steps=20_000, **kw):
+    return rewriter.optimize(model, (x,), clock=ControlledClock({"compile": 0.5}), profile=False,
+                             progress=False, compile=compiler, gate=QUICK, knowledge_base=kb,
+                             steps=steps, passes=[], **kw)
+
+
+def test_a_compile_past_its_limit_is_abandoned_remembered_and_the_eager_graphs_run(monkeypatch, tmp_path):
+    limit = {"s": 3.0}  # Dynamo traces the model within it, then the compiler spins
+    monkeypatch.setattr(compile_gate, "compile_time_limit", lambda steps, step_s, predicted: limit["s"])
+    torch.manual_seed(0)
+    model, x = ReluMLP().train(), torch.randn(8, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    kb, compiler = tmp_path / "kb.json", EndlessCompiler()
+    t0 = time.perf_counter()
+    fast, opt2 = _opt(model, x, compiler, kb, optimizer=opt, loss_fn=lambda out: out.square().mean())
+    assert time.perf_counter() - t0 < 60.0 and compiler.started == 1 and compiler.finished == 0
+    [d] = [d for d in fast.report.decisions if d.pass_name == "compile"]
+    assert d.status == "abandoned" and not d.kept and "eager graphs run" in d.reason
+    assert d.measurement["limit_seconds"] == 3.0 and d.measurement["compile_abandoned"] >= 3.0
+    assert fast.report.plan["compile"]["kept"] is False and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    for k, v in model.state_dict().items():  # measuring and the stopped compile left them alone
+        torch.testing.assert_close(v, weights[k], rtol=0, atol=0)
+    fast(x).square().mean().backward()  # the eager graphs train
+    opt2.step()
+    assert compiler.started == 1
+    # the next run of the same length does not pay it again; a longer limit tries afresh
+    again = _opt(model, x, compiler, kb)
+    [d] = [d for d in again.report.decisions if d.pass_name == "compile"]
+    assert d.status == "not tried" and "earlier run abandoned" in d.reason and compiler.started == 1
+    limit["s"] = 600.0
+    monkeypatch.setattr(EndlessCompiler, "__call__", lambda self, gm, inputs: gm)
+    longer = _opt(model, x, compiler, kb)
+    [d] = [d for d in longer.report.decisions if d.pass_name == "compile"]
+    assert d.status in ("kept", "rejected") and d.measurement.get("speedup") is not None
