@@ -187,7 +187,7 @@ class CompileGate:
         weigh = choice == "auto" or (original and r.settings.steps is not None)
         predicted = self._predicted(ex, known, original)
         limit = compile_time_limit(steps, r.step_seconds, predicted[0])  # as attempt() sets it
-        known, skip = abandoned_before(self, ex, original, known, limit)
+        skip = abandoned_before(self, ex, original, limit)
         if skip is None and weigh:
             skip = not_worth_compiling(self, ex, steps, known, predicted, original)
         return key, known, skip, predicted
@@ -358,7 +358,7 @@ class CompileGate:
         warm = _cached(known, cache)  # this compile loads what an earlier one stored
         runner, compile_s, failed, detail, err = self._verified_build(ex, original)
         if self._limit.overran:  # stopped: remembered, so the next run does not pay it again
-            return abandoned(self, ex, original, key, compile_s, detail), None, ex, original
+            return abandoned(self, ex, original, compile_s, detail), None, ex, original
         nesting = ""
         if failed and original and self._nests(ex):
             # torch 2.13: a region with a side effect (Mistral's output recording) raises

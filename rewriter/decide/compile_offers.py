@@ -8,9 +8,11 @@ from typing import Any
 
 import logging
 
+from rewriter import plan as plans
 from rewriter.decide.amortize import MAX_SAVING, Payback, predict_compile_seconds
 from rewriter.decide.compile_size import compile_nodes, repeated_nodes
 from rewriter.decide.gate import saved_ms
+from rewriter.decide.knowledge import entry_key
 from rewriter.report import Decision
 
 log = logging.getLogger("rewriter.progress")
@@ -73,27 +75,39 @@ def not_worth_compiling(gate: Any, ex: Any, steps: int | None, known: dict | Non
                                  **p.to_dict()})
 
 
-def abandoned_before(gate: Any, ex: Any, original: bool, known: dict | None, limit: float | None
-                     ) -> tuple[dict | None, Decision | None]:
-    """(the knowledge base's entry as a measurement, or None; a "not tried" row where an earlier
-    run abandoned this compile and this run's ``limit`` is no longer). An abandoned entry holds
-    no measurement: where this run's limit is longer (a longer run), the compile is tried afresh."""
-    if not known or "compile_abandoned" not in known:
-        return known, None
-    if limit is not None and limit > known["compile_abandoned"]:
-        return None, None
-    return None, Decision(NAME, False, "not tried",
-                          f"{gate._label(ex, original)}: an earlier run abandoned this compile after "
-                          f"{known['compile_abandoned']:.3g} s, past what its run could repay; "
-                          f"{'this run allows no longer' if limit is not None else 'steps= not given'}",
-                          scope="step", measurement={"compile_abandoned": known["compile_abandoned"]})
+def abandon_key(gate: Any, ex: Any) -> str:
+    """The knowledge-base key an abandoned compile is remembered under: the executor, the model's
+    class, its tensors' shapes and the inputs', not the graphs, the form or the kept rewrites,
+    which a later run may capture or decide otherwise (Funnel, a second run in one process: one
+    rewrite fewer kept, and two of nine graphs traced dynamic in a length; a key with them
+    compiled for another 417 s). Where one form of a model runs away, the others are not tried."""
+    r = gate.run
+    model = type(r.job.model)
+    text = "|".join([NAME, "abandoned", ex.name, r.job.backend.name, r.job.mode, str(r.job.dtype),
+                     f"{model.__module__}.{model.__qualname__}", plans.tensor_hash(r.job.model),
+                     ",".join(plans.input_signature(r.job.args, r.job.kwargs))])
+    return entry_key(text, r.job.step_knowledge_key())
 
 
-def abandoned(gate: Any, ex: Any, original: bool, key: str, compile_s: float, detail: str) -> Decision:
+def abandoned_before(gate: Any, ex: Any, original: bool, limit: float | None) -> Decision | None:
+    """A "not tried" row where an earlier run abandoned a compile of this model
+    (:func:`abandon_key`) and this run's ``limit`` is no longer; None: try it (a longer run, with a
+    longer limit, tries afresh)."""
+    known = gate.run.settings.knowledge_base.get(abandon_key(gate, ex))
+    if not known or (limit is not None and limit > known["compile_abandoned"]):
+        return None
+    return Decision(NAME, False, "not tried",
+                    f"{gate._label(ex, original)}: an earlier run abandoned this model's compile after "
+                    f"{known['compile_abandoned']:.3g} s, past what its run could repay; "
+                    f"{'this run allows no longer' if limit is not None else 'steps= not given'}",
+                    scope="step", measurement={"compile_abandoned": known["compile_abandoned"]})
+
+
+def abandoned(gate: Any, ex: Any, original: bool, compile_s: float, detail: str) -> Decision:
     """The row of a compile stopped at its time limit (the gate's ``_limit``), remembered in the
-    knowledge base under its key so the next run of the same length does not pay it again."""
+    knowledge base (:func:`abandon_key`), so a later run no longer than this one does not pay it again."""
     r, label = gate.run, gate._label(ex, original)
-    r.settings.knowledge_base.put(key, {"pass": NAME, "compile_abandoned": round(compile_s, 1)})
+    r.settings.knowledge_base.put(abandon_key(gate, ex), {"pass": NAME, "compile_abandoned": round(compile_s, 1)})
     reason = (f"{label}: abandoned after {compile_s:.3g} s of compiling, its limit {gate._limit.seconds:.3g} s "
               f"(what the best saving repays within the first tenth of steps={gate.steps()}, or three times "
               "its prediction); the eager graphs run")
