@@ -114,7 +114,7 @@ def test_a_compile_past_its_limit_is_abandoned_remembered_and_the_eager_graphs_r
     opt2.step()
     assert compiler.started == 1
     # the next run of the same length does not pay it again, whatever it keeps (the compile's
-    # own key has the kept rewrites); a longer limit tries afresh
+    # own key has the kept rewrites); a limit twice as long tries afresh
     def training(passes=()):
         return _opt(model, x, compiler, kb, passes=passes, loss_fn=lambda out: out.square().mean(),
                     optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))[0]
@@ -123,6 +123,9 @@ def test_a_compile_past_its_limit_is_abandoned_remembered_and_the_eager_graphs_r
     rows = [d for d in again.report.decisions if d.pass_name == "compile"]
     assert "a" in again.report.kept_passes and compiler.started == 1
     assert rows and all(d.status == "not tried" and "earlier run abandoned" in d.reason for d in rows)
+    limit["s"] = 3.3  # a step measured a little slower lengthens the limit: not enough to retry
+    rows = [d for d in training().report.decisions if d.pass_name == "compile"]
+    assert [d.status for d in rows] == ["not tried"] and "is not twice that" in rows[0].reason
     limit["s"] = 600.0
     monkeypatch.setattr(EndlessCompiler, "__call__", lambda self, gm, inputs: gm)
     [d] = [d for d in training().report.decisions if d.pass_name == "compile"]

@@ -4,9 +4,8 @@ each choice are in the rows), a compile the run cannot repay, and one abandoned 
 limit (rewriter.devices.compile_limit) or by an earlier run."""
 from __future__ import annotations
 
-from typing import Any
-
 import logging
+from typing import Any
 
 from rewriter import plan as plans
 from rewriter.decide.amortize import MAX_SAVING, Payback, predict_compile_seconds
@@ -18,6 +17,7 @@ from rewriter.report import Decision
 log = logging.getLogger("rewriter.progress")
 
 NAME = "compile"  # the compile's decision rows' pass_name (the gate's and these)
+RETRY_FACTOR = 2.0  # an abandoned compile is tried again where a run allows it this many times as long
 
 
 def regional_not_offered(gate: Any, ex: Any) -> Decision | None:
@@ -91,15 +91,17 @@ def abandon_key(gate: Any, ex: Any) -> str:
 
 def abandoned_before(gate: Any, ex: Any, original: bool, limit: float | None) -> Decision | None:
     """A "not tried" row where an earlier run abandoned a compile of this model
-    (:func:`abandon_key`) and this run's ``limit`` is no longer; None: try it (a longer run, with a
-    longer limit, tries afresh)."""
+    (:func:`abandon_key`) and this run's ``limit`` is not :data:`RETRY_FACTOR` times its seconds;
+    None: try it (a run that much longer tries afresh; the limit moves with the measured step
+    time, so a run of the same length does not pass it by a few seconds' noise)."""
     known = gate.run.settings.knowledge_base.get(abandon_key(gate, ex))
-    if not known or (limit is not None and limit > known["compile_abandoned"]):
+    if not known or (limit is not None and limit >= RETRY_FACTOR * known["compile_abandoned"]):
         return None
     return Decision(NAME, False, "not tried",
                     f"{gate._label(ex, original)}: an earlier run abandoned this model's compile after "
                     f"{known['compile_abandoned']:.3g} s, past what its run could repay; "
-                    f"{'this run allows no longer' if limit is not None else 'steps= not given'}",
+                    + (f"this run's limit, {limit:.3g} s, is not twice that" if limit is not None else
+                       "not tried again without steps= (a run long enough to repay a longer one)"),
                     scope="step", measurement={"compile_abandoned": known["compile_abandoned"]})
 
 

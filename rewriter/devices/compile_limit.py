@@ -3,21 +3,23 @@ is abandoned, and the eager graphs run.
 
 Inductor's compile of one graph can run for many minutes: Funnel's pooled block, training, torch
 2.13, the 2-core AMD EPYC: its backward's kernel tiling simplified index expressions in sympy
-(``TilingSelect`` -> ``simplify_index_in_vec_range``) for more than nine minutes, stopped by hand,
-where the other families' whole compiles took 6-25 s. Nothing in the compile can be asked to stop, so the limit
-is a ``SIGALRM`` timer whose handler raises :class:`CompileOverran` in the main thread, between
-two Python bytecodes of whatever the compile runs then; the exception leaves the compile like
-any error a backend raises (the compile gate's "raised" path: the runner dropped, the model's
-state restored, the eager graphs run)::
+(``TilingSelect`` -> ``simplify_index_in_vec_range``) for more than nine minutes, stopped by
+hand, where the other families' whole compiles took 6-25 s. Nothing in the compile can be asked
+to stop, so the limit is a ``SIGALRM`` timer whose handler raises :class:`CompileOverran` in the
+main thread, between two Python bytecodes of whatever the compile runs then; the exception
+leaves the compile like any error a backend raises (the compile gate's "raised" path: the runner
+dropped, the model's state restored, the eager graphs run)::
 
-    with CompileLimit(120.0) as limit:
-        step()                   # the compiled form's first step: where it compiles
-    limit.overran                # True: it was stopped at 120 s
+    try:
+        with CompileLimit(120.0) as limit:
+            step()               # the compiled form's first step: where it compiles
+    except CompileOverran:
+        ...                      # limit.overran: stopped at 120 s
 
 The timer is set only in the main thread of a platform with ``setitimer`` and only where no
 other timer is running (the caller's own ``SIGALRM`` is left alone); otherwise the compile runs
 unlimited, as before. The alarm fires once: a compile that catches and drops the exception runs
-on to its end, and its cost is then weighed like any other (rewriter.decide.amortize).
+on to its end, and ``overran`` still says it went past its limit (the gate drops it).
 """
 from __future__ import annotations
 
