@@ -130,3 +130,18 @@ def test_a_compile_past_its_limit_is_abandoned_remembered_and_the_eager_graphs_r
     monkeypatch.setattr(EndlessCompiler, "__call__", lambda self, gm, inputs: gm)
     [d] = [d for d in training().report.decisions if d.pass_name == "compile"]
     assert d.status in ("kept", "rejected") and d.measurement.get("speedup") is not None
+
+
+def test_without_steps_an_abandoned_compile_is_not_tried_and_the_row_says_what_would_try_it(monkeypatch, tmp_path):
+    """compile=<backend> without steps has no limit: a compile an earlier run abandoned is not
+    started unbounded; the row names steps= as what lets it be tried."""
+    monkeypatch.setattr(compile_gate, "compile_time_limit", lambda steps, step_s, predicted: 3.0 if steps else None)
+    torch.manual_seed(0)
+    model, x = ReluMLP().eval(), torch.randn(8, 16)
+    kb, compiler = tmp_path / "kb.json", EndlessCompiler()
+    first = _opt(model, x, compiler, kb)
+    assert [d.status for d in first.report.decisions if d.pass_name == "compile"] == ["abandoned"]
+    again = _opt(model, x, compiler, kb, steps=None)
+    [d] = [d for d in again.report.decisions if d.pass_name == "compile"]
+    assert d.status == "not tried" and "without steps=" in d.reason and compiler.started == 1
+    torch.testing.assert_close(again(x), model(x))
