@@ -87,6 +87,12 @@ class EndlessCompiler:
         return gm
 
 
+def _warm_dynamo():
+    """Dynamo imported and set up, so a model's trace takes well under the tests' limit (the
+    limit stops whatever runs, tracing included: the assertions hold either way)."""
+    torch.compile(lambda t: t + 1, backend="eager")(torch.ones(1))
+
+
 def _opt(model, x, compiler, kb, steps=20_000, passes=(), **kw):
     return rewriter.optimize(model, (x,), clock=ControlledClock({"compile": 0.5, "a": 0.5}), profile=False,
                              progress=False, compile=compiler, gate=QUICK, knowledge_base=kb,
@@ -101,9 +107,11 @@ def test_a_compile_past_its_limit_is_abandoned_remembered_and_the_eager_graphs_r
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     kb, compiler = tmp_path / "kb.json", EndlessCompiler()
+    _warm_dynamo()
     t0 = time.perf_counter()
     fast, opt2 = _opt(model, x, compiler, kb, optimizer=opt, loss_fn=lambda out: out.square().mean())
-    assert time.perf_counter() - t0 < 60.0 and compiler.started == 1 and compiler.finished == 0
+    assert time.perf_counter() - t0 < 60.0 and compiler.finished == 0
+    started = compiler.started  # 1: stopped while compiling (0 only where tracing took the 3 s)
     [d] = [d for d in fast.report.decisions if d.pass_name == "compile"]
     assert d.status == "abandoned" and not d.kept and "eager graphs run" in d.reason
     assert d.measurement["limit_seconds"] == 3.0 and d.measurement["compile_abandoned"] >= 3.0
@@ -112,7 +120,7 @@ def test_a_compile_past_its_limit_is_abandoned_remembered_and_the_eager_graphs_r
         torch.testing.assert_close(v, weights[k], rtol=0, atol=0)
     fast(x).square().mean().backward()  # the eager graphs train
     opt2.step()
-    assert compiler.started == 1
+    assert compiler.started == started
     # the next run of the same length does not pay it again, whatever it keeps (the compile's
     # own key has the kept rewrites); a limit twice as long tries afresh
     def training(passes=()):
@@ -121,7 +129,7 @@ def test_a_compile_past_its_limit_is_abandoned_remembered_and_the_eager_graphs_r
 
     again = training(passes=[RewriteRelu("a")])
     rows = [d for d in again.report.decisions if d.pass_name == "compile"]
-    assert "a" in again.report.kept_passes and compiler.started == 1
+    assert "a" in again.report.kept_passes and compiler.started == started
     assert rows and all(d.status == "not tried" and "earlier run abandoned" in d.reason for d in rows)
     limit["s"] = 3.3  # a step measured a little slower lengthens the limit: not enough to retry
     rows = [d for d in training().report.decisions if d.pass_name == "compile"]
@@ -139,9 +147,11 @@ def test_without_steps_an_abandoned_compile_is_not_tried_and_the_row_says_what_w
     torch.manual_seed(0)
     model, x = ReluMLP().eval(), torch.randn(8, 16)
     kb, compiler = tmp_path / "kb.json", EndlessCompiler()
+    _warm_dynamo()
     first = _opt(model, x, compiler, kb)
     assert [d.status for d in first.report.decisions if d.pass_name == "compile"] == ["abandoned"]
+    started = compiler.started
     again = _opt(model, x, compiler, kb, steps=None)
     [d] = [d for d in again.report.decisions if d.pass_name == "compile"]
-    assert d.status == "not tried" and "without steps=" in d.reason and compiler.started == 1
+    assert d.status == "not tried" and "without steps=" in d.reason and compiler.started == started
     torch.testing.assert_close(again(x), model(x))
