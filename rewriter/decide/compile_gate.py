@@ -186,8 +186,7 @@ class CompileGate:
             known = r.settings.knowledge_base.get(key)
         weigh = choice == "auto" or (original and r.settings.steps is not None)
         predicted = self._predicted(ex, known, original)
-        limit = compile_time_limit(steps, r.step_seconds, predicted[0])  # as attempt() sets it
-        skip = abandoned_before(self, ex, original, limit)
+        skip = abandoned_before(self, ex, original, self._time_limit(steps, predicted))
         if skip is None and weigh:
             skip = not_worth_compiling(self, ex, steps, known, predicted, original)
         return key, known, skip, predicted
@@ -197,11 +196,15 @@ class CompileGate:
         """:meth:`_try`, said first: the longest silence of a run."""
         log.info("rewriter: compile (%s): compiling, about %.0f s (%s), then verifying and measuring",
                  self._label(ex, original), *predicted[:2])
-        self._limit = CompileLimit(compile_time_limit(steps, self.run.step_seconds, predicted[0]))
+        self._limit = CompileLimit(self._time_limit(steps, predicted))
         try:
             return self._try(ex, steps, key, known, original)
         finally:
             self._limit = CompileLimit(None)
+
+    def _time_limit(self, steps: int | None, predicted: tuple[float, str, int]) -> float | None:
+        """The seconds the compile may run (rewriter.decide.amortize.compile_time_limit)."""
+        return compile_time_limit(steps, self.run.step_seconds, predicted[0])
 
     def _set_aside(self, ex: Executor) -> list[str]:
         """Under a regional capture (no kept bf16 precision to run as autocast), the kept graph

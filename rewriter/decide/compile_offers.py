@@ -7,11 +7,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rewriter import plan as plans
 from rewriter.decide.amortize import MAX_SAVING, Payback, predict_compile_seconds
 from rewriter.decide.compile_size import compile_nodes, repeated_nodes
 from rewriter.decide.gate import saved_ms
-from rewriter.decide.knowledge import entry_key
 from rewriter.report import Decision
 
 log = logging.getLogger("rewriter.progress")
@@ -76,17 +74,15 @@ def not_worth_compiling(gate: Any, ex: Any, steps: int | None, known: dict | Non
 
 
 def abandon_key(gate: Any, ex: Any) -> str:
-    """The knowledge-base key an abandoned compile is remembered under: the executor, the model's
-    class, its tensors' shapes and the inputs', not the graphs, the form or the kept rewrites,
-    which a later run may capture or decide otherwise (Funnel, a second run in one process: one
-    rewrite fewer kept, and two of nine graphs traced dynamic in a length; a key with them
-    compiled for another 417 s). Where one form of a model runs away, the others are not tried."""
-    r = gate.run
-    model = type(r.job.model)
-    text = "|".join([NAME, "abandoned", ex.name, r.job.backend.name, r.job.mode, str(r.job.dtype),
-                     f"{model.__module__}.{model.__qualname__}", plans.tensor_hash(r.job.model),
-                     ",".join(plans.input_signature(r.job.args, r.job.kwargs))])
-    return entry_key(text, r.job.step_knowledge_key())
+    """The knowledge-base key an abandoned compile is remembered under: the executor and the
+    model's class on this step (the run's ``_step_entry_key``: device, mode, precision, tensor and
+    input shapes), not the graphs, the form or the kept rewrites, which a later run may capture
+    or decide otherwise (Funnel, a second run in one process: one rewrite fewer kept, and two of
+    nine graphs traced dynamic in a length; a key with them compiled for another 417 s). Where
+    one form of a model runs away, the others are not tried."""
+    model = type(gate.run.job.model)
+    return gate.run._step_entry_key({"scope": "compile abandoned", "executor": ex.name,
+                                     "model": f"{model.__module__}.{model.__qualname__}"})
 
 
 def abandoned_before(gate: Any, ex: Any, original: bool, limit: float | None) -> Decision | None:
