@@ -5,6 +5,7 @@ carries the name "compile", so ``ControlledClock({"compile": 0.5})`` makes it tw
 The compiler is a fake torch.compile backend (it runs the graph as it is, or raises, or
 changes the numerics); one test compiles for real with Inductor, on a tiny model.
 """
+import dataclasses
 import math
 import os
 import sys
@@ -17,8 +18,10 @@ import torch.nn.functional as F
 
 import rewriter
 from rewriter.decide import compile_gate
-from rewriter.decide.amortize import (MIN_BUDGET, REPAY_FRACTION, Payback, deciding_budget,
-                                      predict_compile_seconds)
+from rewriter import GateSettings
+from rewriter.decide import amortize
+from rewriter.decide.amortize import (MIN_BUDGET, PAID_MEASURE_SHARE, REPAY_FRACTION, Payback,
+                                      deciding_budget, measuring_paid, predict_compile_seconds)
 from rewriter.devices.backends import get_backend
 from rewriter.devices.compile_cache import is_warm, use_persistent_cache
 from rewriter.devices.executors import executors_for
@@ -257,6 +260,31 @@ class SlowCompiler(FakeCompiler):
     def __call__(self, gm, example_inputs):
         time.sleep(self.seconds)
         return super().__call__(gm, example_inputs)
+
+
+@pytest.mark.parametrize("share, kept", [(0.0, False), (PAID_MEASURE_SHARE, True)])
+def test_a_paid_compile_near_the_margin_is_measured_on_for_a_share_of_its_seconds(mlp, monkeypatch,
+                                                                                    share, kept):
+    """Truly 1.08x, samples +-15 %: the gate's budget of one comparison (here none: its fewest
+    pairs) leaves it within noise; a compile that cost 1 s buys 0.5 s of pairs, enough to see it
+    faster (share 0: the budget as before)."""
+    monkeypatch.setattr(amortize, "PAID_MEASURE_SHARE", share)
+    model, x = mlp
+    g = dataclasses.replace(QUICK, max_pairs=200, budget_seconds=0.0)
+    fast = _opt(model, (x,), ControlledClock({"compile": 1 / 1.08}, jitter=0.15), SlowCompiler(1.0),
+                passes=[], gate=g)
+    d = _compile_row(fast)
+    assert d.kept is kept, d.reason
+    if kept:
+        assert d.measurement["pairs"] > 10 * g.min_pairs and d.speedup == pytest.approx(1.08, abs=0.04)
+    else:
+        assert "within noise" in d.reason and d.measurement["pairs"] == g.min_pairs
+
+
+def test_measuring_paid_extends_only_past_the_gates_own_budget():
+    g = GateSettings(budget_seconds=4.0)
+    assert measuring_paid(g, 20.0).budget_seconds == pytest.approx(PAID_MEASURE_SHARE * 20.0)
+    assert measuring_paid(g, 2.0).budget_seconds == 4.0
 
 
 def test_a_faster_compile_that_does_not_repay_within_the_run_is_not_kept(mlp):

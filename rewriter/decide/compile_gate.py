@@ -13,7 +13,8 @@ that raises or fails verification is compiled again without them; CPU: its losse
 forms, CompiledOriginal's ``loss_forms``; decided first where it would supersede every rewrite:
 rewriter.decide.compile_first). Which forms, and why: :meth:`_forms`, the README. Verified like
 any rewrite (dropout: same_masks.py), timed against the rewritten eager step by the step-scope
-rules (gate.decide) at half the region margin (:func:`compile_margin`)::
+rules (gate.decide) at half the region margin (:func:`compile_margin`), its pairs going on while
+inconclusive for up to half its compile's seconds (amortize.measuring_paid)::
 
     CompileGate(run).decide()          # optimize(compile=True)
     CompileGate(run).replay(entry)     # a plan's {"executor": ..., "kept": True}: no measuring
@@ -36,7 +37,8 @@ from rewriter import plan as plans
 from rewriter.capture.front_ends import DynamoCapture, FxCapture
 from rewriter.capture.ir import structure_signature
 from rewriter.capture.regional import RegionalCapture
-from rewriter.decide.amortize import DEFAULT_STEPS, Payback, compile_time_limit, predict_compile_seconds
+from rewriter.decide.amortize import (DEFAULT_STEPS, Payback, compile_time_limit, measuring_paid,
+                                      predict_compile_seconds)
 from rewriter.decide.compile_offers import (NAME, abandoned, abandoned_before, not_worth_compiling,
                                             regional_not_offered, whole_not_offered)
 from rewriter.decide.compile_size import compile_nodes, repeated_nodes
@@ -384,8 +386,9 @@ class CompileGate:
             deadline = None if r.deadline is None else max(
                 r.deadline, time.perf_counter() + 2 * r._confirm_reserve())
             with r._phase("measure"):  # both steps have run warm: the compiled one compiling
-                m = measure(self.baseline or r.composed_step(), self._step(runner), clock=r.clock, settings=ran_warm(g),
-                            min_speedup=margin, deadline=deadline, early=clearly_one_way(margin, g))
+                m = measure(self.baseline or r.composed_step(), self._step(runner), clock=r.clock,
+                            settings=measuring_paid(ran_warm(g), compile_s), min_speedup=margin,
+                            deadline=deadline, early=clearly_one_way(margin, g))
             r.snapshot.restore()
             keep, reason = decide(m, margin, g.noise_widths)
             m_dict = m.to_dict()
