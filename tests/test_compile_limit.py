@@ -47,23 +47,51 @@ def test_a_compile_that_ends_in_time_is_not_stopped_and_the_timer_is_cleared():
     assert not limit.overran and signal.getitimer(signal.ITIMER_REAL)[0] == 0
 
 
-def test_no_limit_another_timer_or_another_thread_leaves_the_alarm_alone():
+def test_no_limit_sets_nothing():
     with CompileLimit(None) as limit:
         assert not limit.armed
-    previous = signal.signal(signal.SIGALRM, lambda *a: None)
-    signal.setitimer(signal.ITIMER_REAL, 60.0)  # the caller's own timer
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0 and limit._timer is None
+
+
+def test_under_the_callers_own_timer_a_thread_stops_the_compile_and_the_callers_alarm_is_left_alone():
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *a: fired.append(a))
+    signal.setitimer(signal.ITIMER_REAL, 60.0)  # the caller's own timer (pytest-timeout's kind)
     try:
-        with CompileLimit(0.1) as limit:
-            assert not limit.armed
-        assert signal.getitimer(signal.ITIMER_REAL)[0] > 50.0  # left running
+        t0 = time.perf_counter()
+        with pytest.raises(CompileOverran, match="still compiling after"):
+            with CompileLimit(0.2) as limit:
+                assert limit.armed == "thread"
+                _spin(30.0)
+        assert limit.overran and time.perf_counter() - t0 < 10.0
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 50.0 and not fired  # left running
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    seen = []
-    t = threading.Thread(target=lambda: seen.append(CompileLimit(0.1).__enter__().armed))
+
+
+def test_off_the_main_thread_the_limit_stops_that_thread_and_nothing_is_raised_later():
+    seen = {}
+
+    def compile_in_a_worker():
+        try:
+            with CompileLimit(0.2) as limit:
+                seen["armed"] = limit.armed
+                _spin(30.0)
+        except CompileOverran as e:
+            seen["stopped"] = (limit.overran, str(e))
+        _spin(0.3)  # past the limit and out of it: nothing pending raises here
+        seen["after"] = True
+        with CompileLimit(0.2) as limit:  # a compile that ends in time: its timer cancelled
+            _spin(0.01)
+        _spin(0.4)
+        seen["in_time"] = not limit.overran
+
+    t = threading.Thread(target=compile_in_a_worker)
     t.start()
-    t.join()
-    assert seen == [False]
+    t.join(30.0)
+    assert seen["armed"] == "thread" and seen["stopped"][0] and "still compiling after" in seen["stopped"][1]
+    assert seen["after"] and seen["in_time"]
 
 
 def test_the_limit_is_what_the_best_saving_repays_in_the_runs_first_tenth_or_thrice_the_prediction():

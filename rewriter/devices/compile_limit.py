@@ -16,13 +16,21 @@ dropped, the model's state restored, the eager graphs run)::
     except CompileOverran:
         ...                      # limit.overran: stopped at 120 s
 
-The timer is set only in the main thread of a platform with ``setitimer`` and only where no
-other timer is running (the caller's own ``SIGALRM`` is left alone); otherwise the compile runs
-unlimited, as before. The alarm fires once: a compile that catches and drops the exception runs
-on to its end, and ``overran`` still says it went past its limit (the gate drops it).
+In the main thread of a platform with ``setitimer``, where no other timer is running, the limit
+is that alarm (a signal also ends a blocking wait of the main thread, Inductor's on its compile
+workers). Elsewhere (optimize() called from another thread, or under the caller's own
+``SIGALRM`` timer, e.g. pytest-timeout's signal method, which is left alone) a timer thread raises
+the same exception into the compiling thread as an asynchronous exception (CPython's
+``PyThreadState_SetAsyncExc``), delivered between two of its bytecodes once a blocking call
+returns; one that fired too late to be raised is withdrawn on leaving. Without either (another
+Python), the compile runs unlimited, as before. The limit fires once: a compile that catches and
+drops the exception runs on to its end, and ``overran`` still says it went past its limit (the
+gate drops it).
 """
 from __future__ import annotations
 
+import ctypes
+import platform
 import signal
 import threading
 from typing import Any
@@ -32,40 +40,83 @@ class CompileOverran(RuntimeError):
     """Raised into a compile that has run past its :class:`CompileLimit`."""
 
 
+def _async_raiser() -> Any:
+    """CPython's ``PyThreadState_SetAsyncExc`` (None elsewhere): raise, or with None withdraw,
+    an exception pending in another thread."""
+    if platform.python_implementation() != "CPython":
+        return None
+    return getattr(ctypes.pythonapi, "PyThreadState_SetAsyncExc", None)
+
+
+_SET_ASYNC_EXC = _async_raiser()
+
+
 class CompileLimit:
     """Stops what runs inside it after ``seconds`` (None: no limit) by raising
-    :class:`CompileOverran`; :attr:`overran` says whether it did, :attr:`armed` whether the timer
-    could be set."""
+    :class:`CompileOverran`; :attr:`overran` says whether it did, :attr:`armed` how the limit
+    could be set (``"alarm"``, ``"thread"``, or ``""``: not at all)."""
 
     def __init__(self, seconds: float | None) -> None:
         self.seconds = seconds
         self.overran = False
-        self.armed = False
+        self.armed = ""
         self._previous: Any = None
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+        self._target = 0     # the thread the limit raises into ("thread")
+        self._done = False   # left: a late timer raises nothing
 
-    def _can_arm(self) -> bool:
-        return (self.seconds is not None and self.seconds > 0 and hasattr(signal, "setitimer")
-                and threading.current_thread() is threading.main_thread()
-                and signal.getitimer(signal.ITIMER_REAL)[0] == 0)  # no one else's timer running
+    def _how(self) -> str:
+        if self.seconds is None or self.seconds <= 0:
+            return ""
+        if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread() \
+                and signal.getitimer(signal.ITIMER_REAL)[0] == 0:  # no one else's timer running
+            return "alarm"
+        return "thread" if _SET_ASYNC_EXC is not None else ""
+
+    def _message(self) -> str:
+        return (f"still compiling after {self.seconds:.0f} s, the limit this run sets "
+                "(rewriter.decide.amortize.compile_time_limit)")
 
     def _on_alarm(self, signum: int, frame: Any) -> None:
         self.overran = True
-        raise CompileOverran(f"still compiling after {self.seconds:.0f} s, the limit this run "
-                             "sets (rewriter.decide.amortize.compile_time_limit)")
+        raise CompileOverran(self._message())
+
+    def _on_timer(self) -> None:
+        message = self._message()
+
+        class Overran(CompileOverran):  # raised from its class alone: the message comes with it
+            def __init__(self, *args: Any) -> None:
+                super().__init__(message)
+        Overran.__name__ = Overran.__qualname__ = "CompileOverran"
+        with self._lock:
+            if not self._done:
+                self.overran = True
+                _SET_ASYNC_EXC(ctypes.c_ulong(self._target), ctypes.py_object(Overran))
 
     def __enter__(self) -> CompileLimit:
-        self.overran = False
-        self.armed = self._can_arm()
-        if self.armed:
+        self.overran, self._done = False, False
+        self.armed = self._how()
+        if self.armed == "alarm":
             self._previous = signal.signal(signal.SIGALRM, self._on_alarm)
             signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        elif self.armed == "thread":
+            self._target = threading.get_ident()
+            self._timer = threading.Timer(self.seconds, self._on_timer)
+            self._timer.daemon = True
+            self._timer.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if not self.armed:
-            return
-        try:  # the alarm may fire here, before the timer is cleared: the handler goes back anyway
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        finally:
-            signal.signal(signal.SIGALRM, self._previous)
-            self.armed = False
+        if self.armed == "alarm":
+            try:  # the alarm may fire here, before the timer is cleared: the handler goes back anyway
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            finally:
+                signal.signal(signal.SIGALRM, self._previous)
+        elif self.armed == "thread":
+            with self._lock:
+                self._done = True
+                self._timer.cancel()
+                if self.overran:  # fired, and perhaps not raised yet: not into the caller's code
+                    _SET_ASYNC_EXC(ctypes.c_ulong(self._target), None)
+        self.armed = ""
