@@ -6,6 +6,8 @@ Inductor's sympy simplification of Funnel's backward was); the limit is set to a
 second through the gate's ``compile_time_limit``, so no test waits on the real rule's minutes.
 """
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -92,6 +94,34 @@ def test_off_the_main_thread_the_limit_stops_that_thread_and_nothing_is_raised_l
     t.join(30.0)
     assert seen["armed"] == "thread" and seen["stopped"][0] and "still compiling after" in seen["stopped"][1]
     assert seen["after"] and seen["in_time"]
+
+
+_FIRE_THEN_PROFILE = """
+import signal, time, torch
+from rewriter.devices.compile_limit import CompileLimit, CompileOverran
+signal.signal(signal.SIGALRM, lambda *a: None)
+signal.setitimer(signal.ITIMER_REAL, 60.0)  # the caller's timer: the thread form
+try:
+    with CompileLimit(0.1) as limit:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 10:
+            pass
+except CompileOverran:
+    pass
+signal.setitimer(signal.ITIMER_REAL, 0)
+with torch.profiler.profile(with_stack=True):
+    torch.ones(3).sum()
+print("profiled", limit.armed == "", limit.overran)
+"""
+
+
+def test_after_the_thread_form_fired_the_interpreter_runs_on_as_before():
+    # Withdrawing a pending asynchronous exception through the C API left CPython's eval
+    # breaker set: the next torch.profiler(with_stack=True) spun at 100 % CPU (own process,
+    # as a hang cannot be stopped from Python)
+    done = subprocess.run([sys.executable, "-c", _FIRE_THEN_PROFILE], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "profiled True True" in done.stdout, done.stderr[-2000:]
 
 
 def test_the_limit_is_what_the_best_saving_repays_in_the_runs_first_tenth_or_thrice_the_prediction():

@@ -22,7 +22,10 @@ workers). Elsewhere (optimize() called from another thread, or under the caller'
 ``SIGALRM`` timer, e.g. pytest-timeout's signal method, which is left alone) a timer thread raises
 the same exception into the compiling thread as an asynchronous exception (CPython's
 ``PyThreadState_SetAsyncExc``), delivered between two of its bytecodes once a blocking call
-returns; one that fired too late to be raised is withdrawn on leaving. Without either (another
+returns; one that fired as the compile ended lands on leaving, inside the limit, and is dropped
+there (``overran`` says it fired; withdrawing it through the C API instead would leave the
+interpreter's eval breaker set for good: torch.profiler's ``with_stack`` then hung at 100 % CPU
+in its next start, torch 2.13, CPython 3.11). Without either (another
 Python), the compile runs unlimited, as before. The limit fires once: a compile that catches and
 drops the exception runs on to its end, and ``overran`` still says it went past its limit (the
 gate drops it).
@@ -75,7 +78,7 @@ class CompileLimit:
         return "thread" if _SET_ASYNC_EXC is not None else ""
 
     def _message(self) -> str:
-        return (f"still compiling after {self.seconds:.0f} s, the limit this run sets "
+        return (f"still compiling after {self.seconds:.3g} s, the limit this run sets "
                 "(rewriter.decide.amortize.compile_time_limit)")
 
     def _on_alarm(self, signum: int, frame: Any) -> None:
@@ -117,6 +120,15 @@ class CompileLimit:
             with self._lock:
                 self._done = True
                 self._timer.cancel()
-                if self.overran:  # fired, and perhaps not raised yet: not into the caller's code
-                    _SET_ASYNC_EXC(ctypes.c_ulong(self._target), None)
+            if self.overran:  # fired: its exception, if still pending, lands here, not later
+                _land_pending()
         self.armed = ""
+
+
+def _land_pending() -> None:
+    """Run a few bytecodes where a pending :class:`CompileOverran` is raised, and drop it."""
+    try:
+        for _ in range(100):  # each backward jump checks for an asynchronous exception
+            pass
+    except CompileOverran:
+        pass
