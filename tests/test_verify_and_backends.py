@@ -218,3 +218,14 @@ def test_cpuinfo_flags_are_read_on_x86_and_on_arm():
     assert name == "" and {"sve", "bf16"} <= flags
     assert _isa(flags) == {"sve": True, "bf16": True, "i8mm": True}
     assert _isa(frozenset()) == {}
+
+
+def test_an_x86_cpus_name_carries_its_family_and_model_so_two_generations_named_alike_differ():
+    from rewriter.devices.cpu_identity import parse_cpuinfo
+
+    def cpu(family, model):
+        return ["processor\t: 0", "vendor_id\t: AuthenticAMD", f"cpu family\t: {family}",
+                f"model\t\t: {model}", "model name\t: AMD EPYC", "flags\t\t: fpu avx512f", "",
+                "processor\t: 1", "cpu family\t: 1", "model\t\t: 1", "model name\t: other"]
+    zen4, zen5 = parse_cpuinfo(cpu(25, 17))[0], parse_cpuinfo(cpu(26, 2))[0]
+    assert zen4 == "AMD EPYC (family 25, model 17)" and zen5 == "AMD EPYC (family 26, model 2)"

@@ -1,9 +1,13 @@
 """Which CPU this is: its model name and ISA flags, read from /proc/cpuinfo.
 
 A timing depends on the machine, so the knowledge base keys its figures by the CPU model, and
-the benchmarks record the ISA (native bf16 above all) with every figure::
+the benchmarks record the ISA (native bf16 above all) with every figure. On x86 the name carries
+the processor's family and model numbers: a virtual machine may name every CPU alike ("AMD
+EPYC" for a Zen 4 and a Zen 5, family 25 and 26), and figures measured on one are no verdict on
+the other (oneDNN's linear ran the matrix products of a GLM step in half `aten::mm`'s time on
+the Zen 5, 2-core, fp32)::
 
-    name, flags = cpu_info()      # ("Intel(R) Xeon(R) Processor", frozenset({"avx512f", ...}))
+    name, flags = cpu_info()      # ("AMD EPYC (family 26, model 2)", frozenset({"avx512f", ...}))
     cpu_model()                   # the name alone
 """
 from __future__ import annotations
@@ -30,8 +34,10 @@ def parse_cpuinfo(lines: Any) -> tuple[str, frozenset[str]]:
 
         parse_cpuinfo(["model name : AMD EPYC", "flags : fpu avx2"])
         # ('AMD EPYC', frozenset({'fpu', 'avx2'}))
+        parse_cpuinfo(["cpu family : 26", "model : 2", "model name : AMD EPYC"])
+        # ('AMD EPYC (family 26, model 2)', frozenset())
     """
-    name, flags = "", set()
+    name, flags, numbers = "", set(), {}
     for line in lines:
         key, _, value = line.partition(":")
         key = key.strip().lower()
@@ -39,8 +45,12 @@ def parse_cpuinfo(lines: Any) -> tuple[str, frozenset[str]]:
             name = value.strip()
         elif key in ("flags", "features") and not flags:
             flags = set(value.split())
-        if name and flags:
-            break
+        elif key in ("cpu family", "model") and key not in numbers:  # x86's generation
+            numbers[key] = value.strip()
+        if not line.strip() and (name or flags):
+            break  # the first processor's lines end here
+    if name and len(numbers) == 2:
+        name = f"{name} (family {numbers['cpu family']}, model {numbers['model']})"
     return name, frozenset(flags)
 
 
