@@ -44,8 +44,8 @@ class CompileOverran(RuntimeError):
 
 
 def _async_raiser() -> Any:
-    """CPython's ``PyThreadState_SetAsyncExc`` (None elsewhere): raise, or with None withdraw,
-    an exception pending in another thread."""
+    """CPython's ``PyThreadState_SetAsyncExc`` (None elsewhere): raise an exception in another
+    thread. Never called with NULL to withdraw one: that leaves the eval breaker set (module)."""
     if platform.python_implementation() != "CPython":
         return None
     return getattr(ctypes.pythonapi, "PyThreadState_SetAsyncExc", None)
