@@ -229,3 +229,7 @@ def test_an_x86_cpus_name_carries_its_family_and_model_so_two_generations_named_
                 "processor\t: 1", "cpu family\t: 1", "model\t\t: 1", "model name\t: other"]
     zen4, zen5 = parse_cpuinfo(cpu(25, 17))[0], parse_cpuinfo(cpu(26, 2))[0]
     assert zen4 == "AMD EPYC (family 25, model 17)" and zen5 == "AMD EPYC (family 26, model 2)"
+    # 32-bit ARM names its board on a "Hardware" line after every processor's block
+    arm = ["processor\t: 0", "model\t\t: 0", "Features\t: half thumb vfp", "", "processor\t: 1",
+           "Features\t: half thumb vfp", "", "Hardware\t: BCM2835"]
+    assert parse_cpuinfo(arm)[0] == "BCM2835"

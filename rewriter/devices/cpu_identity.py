@@ -45,10 +45,10 @@ def parse_cpuinfo(lines: Any) -> tuple[str, frozenset[str]]:
             name = value.strip()
         elif key in ("flags", "features") and not flags:
             flags = set(value.split())
-        elif key in ("cpu family", "model") and key not in numbers:  # x86's generation
+        elif key in ("cpu family", "model") and key not in numbers:  # x86's, before its flags
             numbers[key] = value.strip()
-        if not line.strip() and (name or flags):
-            break  # the first processor's lines end here
+        if name and flags:
+            break
     if name and len(numbers) == 2:
         name = f"{name} (family {numbers['cpu family']}, model {numbers['model']})"
     return name, frozenset(flags)
